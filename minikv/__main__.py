@@ -1,0 +1,5 @@
+import sys
+
+from minikv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""Step 1: attention from scratch, the way a model computes it without any cache.
+
+Everything here is plain math on NumPy arrays; nothing remembers anything
+between calls. ``causal_attention`` is also the reference every cached variant
+is checked against.
+
+Shapes (leading batch dimensions ``...`` are allowed everywhere):
+
+    q: [..., Hq,  T, D]   queries of the T newest positions
+    k: [..., Hkv, S, D]   keys of all S positions (S >= T)
+    v: [..., Hkv, S, D]
+    out: [..., Hq, T, D]
+
+Grouped-query attention (GQA): Hq query heads share Hkv key/value heads,
+``group = Hq // Hkv`` query heads per KV head. Hkv == Hq is classic multi-head
+attention (MHA); Hkv == 1 is multi-query attention (MQA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minikv.errors import ConfigError, DTypeError, ShapeError
+
+FLOAT_DTYPES = (np.float32, np.float64)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax: ``exp(x - max) / sum(exp(x - max))``.
+
+    Subtracting the row maximum changes nothing mathematically (it cancels in
+    the ratio) but keeps ``exp`` from overflowing. Rows that are entirely
+    ``-inf`` (fully masked) would give 0/0; they return zeros instead of NaN.
+    """
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)  # fully masked row: avoid inf - inf
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(s == 0, 1, s)
+
+
+def kv_head_for_query_head(num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """GQA head mapping: query head h reads KV head ``h // (Hq // Hkv)``. Returns ``[Hq]`` ints."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ConfigError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}; "
+            "choose num_kv_heads among the divisors of num_heads"
+        )
+    return np.arange(num_heads) // (num_heads // num_kv_heads)
+
+
+def check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """Validate shapes and dtypes of an attention call; raise ShapeError/DTypeError."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, np.ndarray):
+            raise DTypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+        if a.dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"{name}.dtype={a.dtype}; attention computes in float32 or float64, "
+                             f"cast with {name}.astype(np.float32)")
+        if a.ndim < 3:
+            raise ShapeError(f"{name}.shape={a.shape}; expected [..., heads, seq, head_dim]")
+    if k.shape != v.shape:
+        raise ShapeError(f"k.shape={k.shape} != v.shape={v.shape}; keys and values must match")
+    if q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"head_dim differs: q {q.shape[-1]} vs k {k.shape[-1]}")
+    if q.shape[:-3] != k.shape[:-3]:
+        raise ShapeError(f"batch dims differ: q {q.shape[:-3]} vs k {k.shape[:-3]}")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    kv_head_for_query_head(hq, hkv)  # raises ConfigError if not divisible
+    if q.shape[-2] > k.shape[-2]:
+        raise ShapeError(f"{q.shape[-2]} queries but only {k.shape[-2]} keys; queries are the newest "
+                         "positions, so there are at least as many keys")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise DTypeError(f"mixed dtypes q={q.dtype} k={k.dtype} v={v.dtype}; use one float dtype")
+
+
+def attention_weights(q: np.ndarray, k: np.ndarray, causal: bool = True) -> np.ndarray:
+    """The attention probabilities ``softmax(q k^T / sqrt(D) + mask)``: [..., Hq, T, S].
+
+    q: [..., Hq, T, D], k: [..., Hkv, S, D]. The T queries are the *last* T of
+    the S positions: query t sits at absolute position ``S - T + t`` and may see
+    keys ``0 .. S - T + t``. With T == S this is the usual lower-triangular
+    mask; with T == 1 (decode) nothing is masked.
+    """
+    check_qkv(q, k, k)
+    *batch, hq, t, d = q.shape
+    hkv, s = k.shape[-3], k.shape[-2]
+    # [..., Hq, T, D] -> [..., Hkv, G, T, D]: each KV head serves G query heads,
+    # so K is read once per group instead of being repeated G times.
+    qg = q.reshape(*batch, hkv, hq // hkv, t, d)
+    scale = q.dtype.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
+    scores = (qg @ np.swapaxes(k, -1, -2)[..., None, :, :]) * scale  # [..., Hkv, G, T, S]
+    if causal and t > 1:
+        q_pos = np.arange(s - t, s)[:, None]
+        k_pos = np.arange(s)[None, :]
+        scores = np.where(k_pos <= q_pos, scores, -np.inf)
+    return softmax(scores, axis=-1).reshape(*batch, hq, t, s)
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True) -> np.ndarray:
+    """Scaled dot-product attention with a bottom-right causal mask and GQA.
+
+        out = softmax(q k^T / sqrt(D) + mask) v
+
+    q: [..., Hq, T, D], k/v: [..., Hkv, S, D] -> out: [..., Hq, T, D]
+    (see ``attention_weights`` for which keys each query may see).
+    """
+    check_qkv(q, k, v)
+    *batch, hq, t, d = q.shape
+    hkv, s = k.shape[-3], k.shape[-2]
+    probs = attention_weights(q, k, causal).reshape(*batch, hkv, hq // hkv, t, s)
+    out = probs @ v[..., None, :, :]  # [..., Hkv, G, T, D]
+    return out.reshape(*batch, hq, t, d)

@@ -1,0 +1,81 @@
+"""Typed exceptions for minikv and minikv_gpu.
+
+Every public entry point validates its input and raises one of these. Each
+message names the offending value and says how to fix it. Catch
+``MinikvError`` to catch them all; each class also derives from the matching
+built-in (``ValueError``, ``KeyError``, ...) so generic handlers still work.
+"""
+
+from __future__ import annotations
+
+
+class MinikvError(Exception):
+    """Base class of every error raised on purpose by minikv."""
+
+
+# --- bad input -----------------------------------------------------------------
+
+class ShapeError(MinikvError, ValueError):
+    """An array has the wrong number of dimensions or a wrong size."""
+
+
+class DTypeError(MinikvError, TypeError):
+    """An array has a dtype the function does not accept."""
+
+
+class InvalidInputError(MinikvError, ValueError):
+    """A value is out of its allowed range (empty prompt, token id >= vocab, top_p > 1...)."""
+
+
+class ConfigError(MinikvError, ValueError):
+    """A model or cache configuration is inconsistent (e.g. heads not divisible by kv heads)."""
+
+
+# --- caches and sequences ------------------------------------------------------
+
+class UnknownSequenceError(MinikvError, KeyError):
+    """A sequence id that the cache or scheduler has never seen (or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheFullError(MinikvError):
+    """Appending would exceed the cache's capacity. Nothing was written."""
+
+
+class OutOfBlocksError(CacheFullError):
+    """The paged block pool has no free block left. Nothing was allocated."""
+
+
+# --- model files -----------------------------------------------------------------
+
+class ModelFileNotFoundError(MinikvError, FileNotFoundError):
+    """The GGUF model file could not be located. The message says how to get it."""
+
+
+class ModelFormatError(MinikvError, ValueError):
+    """The model file exists but is corrupt, truncated or of an unsupported architecture."""
+
+
+# --- GPU wing --------------------------------------------------------------------
+
+class BackendUnavailableError(MinikvError, RuntimeError):
+    """The requested kernel backend (cupy or sim) cannot run on this machine."""
+
+
+class KernelCompileError(MinikvError, RuntimeError):
+    """A .cu source failed to compile (nvrtc/nvcc on a GPU, g++ in the simulator)."""
+
+
+class KernelLaunchError(MinikvError, ValueError):
+    """A launch was malformed: wrong argument count, kind or size, bad grid/block."""
+
+
+class KernelFaultError(MinikvError, RuntimeError):
+    """A kernel misbehaved while running: out-of-bounds access, stack overflow,
+    a shuffle reading an exited lane, or a deadlock at a barrier."""
+
+
+class KernelDeadlockError(KernelFaultError):
+    """Threads of a block wait on each other forever (e.g. a barrier not reached by all)."""

@@ -1,0 +1,359 @@
+"""Step 2: the KV cache interface, the no-cache baseline, and a contiguous cache.
+
+The seam between model math and storage
+---------------------------------------
+A model never knows which cache it runs on. For every forward pass it opens a
+*step* that says which sequences take part and how many new tokens each
+brings, then for every layer hands over the new (already RoPE-rotated) keys and
+values and asks the cache to attend:
+
+    with cache.step(seq_ids, num_new) as positions:   # positions: [N]
+        for layer in range(L):
+            ...
+            cache.write(layer, k, v)                   # k, v: [N, Hkv, D]
+            out = cache.attend(layer, q)               # q: [N, Hq, D] -> [N, Hq, D]
+
+Tokens of all sequences are *packed* along N (no padding): sequence i owns rows
+``offsets[i]:offsets[i+1]``. A step either commits entirely (every sequence's
+length grows by its ``num_new``) or, if anything raises, changes nothing that
+later steps can see.
+
+Two implementations live here:
+
+* ``NoCache`` is step 1's baseline: it remembers nothing, so the caller must
+  feed the whole sequence every time and K/V are recomputed for all of it.
+* ``ContiguousKVCache`` preallocates ``[layers, max_seqs, Hkv, max_len, D]``
+  for keys and the same for values: prefill writes the prompt once, each
+  decode step appends one row and attends over the stored history.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from minikv.attention import causal_attention
+from minikv.errors import (
+    CacheFullError,
+    ConfigError,
+    DTypeError,
+    InvalidInputError,
+    ShapeError,
+    UnknownSequenceError,
+)
+
+CACHE_DTYPES = (np.float64, np.float32, np.float16)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Who takes part in one forward pass, and where their packed rows are.
+
+    seq_ids:   the B sequences, in packing order
+    num_new:   [B] new tokens per sequence in this step
+    past:      [B] tokens each sequence had cached before this step
+    offsets:   [B+1] sequence i owns packed rows ``offsets[i]:offsets[i+1]``
+    positions: [N] absolute position of every packed token (past + 0, 1, ...)
+    """
+
+    seq_ids: tuple
+    num_new: np.ndarray
+    past: np.ndarray
+    offsets: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def rows(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def make_step(seq_ids: Sequence, num_new: Sequence[int], past: Sequence[int]) -> Step:
+    """Build a ``Step``, validating ``num_new`` (every sequence brings >= 1 token)."""
+    seq_ids = tuple(seq_ids)
+    num_new = np.asarray(num_new, dtype=np.int64).reshape(-1)
+    if len(seq_ids) == 0:
+        raise InvalidInputError("a step needs at least one sequence; got seq_ids=()")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise InvalidInputError(f"seq_ids={seq_ids} repeats a sequence; pass each sequence once per step")
+    if num_new.shape != (len(seq_ids),):
+        raise ShapeError(f"num_new has {num_new.size} entries for {len(seq_ids)} sequences; give one count each")
+    if np.any(num_new < 1):
+        raise InvalidInputError(f"num_new={num_new.tolist()}: every sequence in a step must bring at least "
+                                "one token (an empty prompt has nothing to attend to)")
+    past = np.asarray(past, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(num_new)])
+    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, num_new)])
+    return Step(seq_ids, num_new, past, offsets, positions)
+
+
+class KVCacheBase:
+    """The interface every cache implements (see the module docstring).
+
+    Subclasses implement ``length``, ``_reserve``, ``_commit``, ``_rollback``,
+    ``write`` and ``attend``; the step bookkeeping lives here once.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32):
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise ConfigError(f"{name}={val!r} must be a positive integer")
+        dtype = np.dtype(dtype)
+        if dtype not in [np.dtype(d) for d in self.supported_dtypes()]:
+            raise DTypeError(f"cache dtype {dtype} is not supported by {type(self).__name__}; "
+                             f"use one of {[np.dtype(d).name for d in self.supported_dtypes()]}")
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.dtype = dtype
+        self._step: Step | None = None
+
+    @classmethod
+    def supported_dtypes(cls) -> tuple:
+        return CACHE_DTYPES
+
+    # -- sequences ----------------------------------------------------------------
+    def add_sequence(self, seq_id) -> None:
+        raise NotImplementedError
+
+    def free_sequence(self, seq_id) -> None:
+        raise NotImplementedError
+
+    def length(self, seq_id) -> int:
+        """Tokens cached for ``seq_id``."""
+        raise NotImplementedError
+
+    # -- steps ----------------------------------------------------------------------
+    @contextmanager
+    def step(self, seq_ids: Sequence, num_new: Sequence[int]) -> Iterator[np.ndarray]:
+        """Open a forward pass; yields ``positions`` [N]. Commits on success, rolls back on error."""
+        positions = self.begin_step(seq_ids, num_new)
+        try:
+            yield positions
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+
+    def begin_step(self, seq_ids: Sequence, num_new: Sequence[int]) -> np.ndarray:
+        if self._step is not None:
+            raise InvalidInputError("a step is already open on this cache; finish it with end_step() first")
+        seq_ids = tuple(seq_ids)
+        past = [self.length(s) for s in seq_ids]  # raises UnknownSequenceError
+        step = make_step(seq_ids, num_new, past)
+        self._reserve(step)  # may raise CacheFullError; must leave the cache unchanged if it does
+        self._step = step
+        return step.positions
+
+    def end_step(self) -> None:
+        step = self._require_step()
+        self._commit(step)
+        self._step = None
+
+    def abort_step(self) -> None:
+        if self._step is not None:
+            self._rollback(self._step)
+            self._step = None
+
+    def _require_step(self) -> Step:
+        if self._step is None:
+            raise InvalidInputError("no step is open; wrap write/attend in `with cache.step(seq_ids, num_new):`")
+        return self._step
+
+    def _check_rows(self, name: str, a: np.ndarray, heads: int) -> None:
+        step = self._require_step()
+        want = (step.num_tokens, heads, self.head_dim)
+        if not isinstance(a, np.ndarray) or a.shape != want:
+            got = getattr(a, "shape", type(a).__name__)
+            raise ShapeError(f"{name}.shape={got}, expected [N, heads, D] = {want} for this step")
+        if a.dtype.kind != "f":
+            raise DTypeError(f"{name}.dtype={a.dtype}; pass floating-point activations")
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidInputError(f"layer={layer} out of range [0, {self.num_layers})")
+
+    def _reserve(self, step: Step) -> None:
+        pass
+
+    def _commit(self, step: Step) -> None:
+        pass
+
+    def _rollback(self, step: Step) -> None:
+        pass
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store the step's new keys/values. k, v: [N, Hkv, D] (keys already rotated)."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """Attention of the step's queries over each sequence's cached history. q: [N, Hq, D] -> [N, Hq, D]."""
+        raise NotImplementedError
+
+    # -- memory -----------------------------------------------------------------------
+    def bytes_allocated(self) -> int:
+        return 0
+
+    def bytes_used(self) -> int:
+        """Bytes holding real tokens: 2 (K and V) x layers x Hkv x D x itemsize x tokens."""
+        return 0
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class NoCache(KVCacheBase):
+    """Step 1's baseline: keeps nothing between forward passes.
+
+    Every pass must carry each sequence's *whole* token history, whose K/V are
+    recomputed and attended causally. ``length`` is therefore always 0 and any
+    sequence id is accepted. Generating n tokens after a prompt of p costs
+    about n full forward passes over p..p+n tokens: the quadratic baseline.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32):
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype)
+        self._k: list = [None] * self.num_layers
+        self._v: list = [None] * self.num_layers
+
+    def add_sequence(self, seq_id) -> None:
+        pass
+
+    def free_sequence(self, seq_id) -> None:
+        pass
+
+    def length(self, seq_id) -> int:
+        return 0
+
+    def _commit(self, step: Step) -> None:
+        self._k = [None] * self.num_layers  # forget everything: that is the point
+        self._v = [None] * self.num_layers
+
+    _rollback = _commit
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        self._check_layer(layer)
+        self._check_rows("k", k, self.num_kv_heads)
+        self._check_rows("v", v, self.num_kv_heads)
+        self._k[layer], self._v[layer] = k, v
+
+    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+        self._check_layer(layer)
+        step = self._require_step()
+        if self._k[layer] is None:
+            raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
+        out = np.empty_like(q)
+        for i in range(len(step.seq_ids)):
+            r = step.rows(i)
+            qi = q[r].transpose(1, 0, 2)  # [Hq, T, D]
+            ki = self._k[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)  # [Hkv, T, D]
+            vi = self._v[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)
+            out[r] = causal_attention(qi, ki, vi).transpose(1, 0, 2)
+        return out
+
+
+class ContiguousKVCache(KVCacheBase):
+    """A preallocated cache: each sequence owns one slot of ``max_len`` positions.
+
+    Storage per layer: ``k[layer]: [max_seqs, Hkv, max_len, D]`` (same for v),
+    so one sequence's history for one head is a contiguous ``[len, D]`` block.
+
+    Prefill writes T prompt rows at positions ``0..T-1``; each decode step
+    writes one row at position ``len`` and attends over ``0..len``. A write
+    that would pass ``max_len`` raises ``CacheFullError`` before anything is
+    stored. The price of contiguity: every slot reserves ``max_len`` positions
+    up front, whether the sequence ever uses them or not (see ``bytes_used``).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
+                 dtype=np.float32):
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype)
+        for name, val in (("max_seqs", max_seqs), ("max_len", max_len)):
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise ConfigError(f"{name}={val!r} must be a positive integer")
+        self.max_seqs, self.max_len = int(max_seqs), int(max_len)
+        shape = (self.num_layers, self.max_seqs, self.num_kv_heads, self.max_len, self.head_dim)
+        self.k = np.zeros(shape, dtype=self.dtype)
+        self.v = np.zeros(shape, dtype=self.dtype)
+        self._slot: dict = {}  # seq_id -> slot index
+        self._len = np.zeros(self.max_seqs, dtype=np.int64)
+
+    # -- sequences ----------------------------------------------------------------
+    def add_sequence(self, seq_id) -> None:
+        if seq_id in self._slot:
+            raise InvalidInputError(f"sequence {seq_id!r} is already in the cache; free it or pick a new id")
+        free = sorted(set(range(self.max_seqs)) - set(self._slot.values()))
+        if not free:
+            raise CacheFullError(f"all {self.max_seqs} slots are taken, so sequence {seq_id!r} cannot be added; "
+                                 "free a finished sequence or build the cache with a larger max_seqs")
+        self._slot[seq_id] = free[0]
+        self._len[free[0]] = 0
+
+    def free_sequence(self, seq_id) -> None:
+        self._slot_of(seq_id)  # raises UnknownSequenceError for an unknown id
+        del self._slot[seq_id]
+
+    def _slot_of(self, seq_id) -> int:
+        try:
+            return self._slot[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(f"sequence {seq_id!r} is not in the cache (known: "
+                                       f"{sorted(self._slot, key=str)}); call add_sequence first") from None
+
+    def length(self, seq_id) -> int:
+        return int(self._len[self._slot_of(seq_id)])
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._slot
+
+    # -- steps ----------------------------------------------------------------------
+    def _reserve(self, step: Step) -> None:
+        for sid, past, n in zip(step.seq_ids, step.past, step.num_new):
+            if past + n > self.max_len:
+                raise CacheFullError(
+                    f"sequence {sid!r} holds {past} tokens and this step adds {n}, but max_len={self.max_len}; "
+                    f"build the cache with max_len >= {past + n} or stop generating earlier")
+
+    def _commit(self, step: Step) -> None:
+        for sid, n in zip(step.seq_ids, step.num_new):
+            self._len[self._slot[sid]] += n
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        self._check_layer(layer)
+        self._check_rows("k", k, self.num_kv_heads)
+        self._check_rows("v", v, self.num_kv_heads)
+        step = self._step
+        for i, sid in enumerate(step.seq_ids):
+            slot, p, r = self._slot[sid], int(step.past[i]), step.rows(i)
+            t = r.stop - r.start
+            self.k[layer, slot, :, p:p + t] = k[r].transpose(1, 0, 2)  # [T, Hkv, D] -> [Hkv, T, D]
+            self.v[layer, slot, :, p:p + t] = v[r].transpose(1, 0, 2)
+
+    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+        self._check_layer(layer)
+        step = self._require_step()
+        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
+            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        out = np.empty_like(q)
+        for i, sid in enumerate(step.seq_ids):
+            slot, r = self._slot[sid], step.rows(i)
+            s = int(step.past[i] + step.num_new[i])  # history including this step's tokens
+            k = self.k[layer, slot, :, :s].astype(q.dtype, copy=False)  # [Hkv, S, D]
+            v = self.v[layer, slot, :, :s].astype(q.dtype, copy=False)
+            out[r] = causal_attention(q[r].transpose(1, 0, 2), k, v).transpose(1, 0, 2)
+        return out
+
+    # -- memory -----------------------------------------------------------------------
+    def bytes_allocated(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def bytes_used(self) -> int:
+        return int(sum(self._len[s] for s in self._slot.values())) * self.bytes_per_token()

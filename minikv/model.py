@@ -1,0 +1,331 @@
+"""A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) assembled from the steps.
+
+The model never knows which KV cache it runs on: it asks the cache for the
+positions of the new tokens, hands each layer's rotated keys and values to
+``cache.write`` and gets attention back from ``cache.attend``
+(see ``minikv.kv_cache``).
+
+Shapes: tokens of all sequences in a forward pass are packed along one axis N
+(no padding). H = hidden size, Hq/Hkv = query/KV heads, D = head_dim,
+I = MLP width, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+
+ROPE_LAYOUTS = ("interleaved", "half")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that defines the architecture (one dataclass, nanoGPT style).
+
+    rope_layout says how the two halves of each rotated pair sit in a head:
+      * "interleaved": pairs are adjacent dims (0,1), (2,3), ... — GGUF/llama.cpp;
+      * "half": pairs are (i, i + D/2) — transformers' ``rotate_half``.
+    The two are the same model up to a permutation of the Q/K weight rows
+    (``minikv.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_layout: str = "half"
+    rms_eps: float = 1e-5
+    max_position: int = 8192
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            val = getattr(self, name)
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise ConfigError(f"{name}={val!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ConfigError(f"rope_layout={self.rope_layout!r}; use one of {ROPE_LAYOUTS}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Matrices are stored [in, out] so a layer computes ``x @ W``."""
+
+    attn_norm: np.ndarray  # [H]
+    wq: np.ndarray         # [H, Hq*D]
+    wk: np.ndarray         # [H, Hkv*D]
+    wv: np.ndarray         # [H, Hkv*D]
+    wo: np.ndarray         # [Hq*D, H]
+    mlp_norm: np.ndarray   # [H]
+    w_gate: np.ndarray     # [H, I]
+    w_up: np.ndarray       # [H, I]
+    w_down: np.ndarray     # [I, H]
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray                   # [V, H]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray              # [H]
+    lm_head: np.ndarray | None = None   # [V, H]; None means tied to ``embed``
+
+    def astype(self, dtype) -> "ModelWeights":
+        cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)  # noqa: E731
+        return ModelWeights(
+            embed=cast(self.embed),
+            layers=[LayerWeights(**{k: cast(v) for k, v in vars(lw).items()}) for lw in self.layers],
+            final_norm=cast(self.final_norm),
+            lm_head=cast(self.lm_head),
+        )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """The shape every weight must have under ``cfg`` (used to validate loaded files)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {
+        "attn_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
+        "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "mlp_norm": (h,),
+        "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
+    }
+
+
+def check_weights(cfg: ModelConfig, w: ModelWeights) -> None:
+    """Raise ShapeError naming the first weight whose shape does not match ``cfg``."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    if w.embed.shape != (v, h):
+        raise ShapeError(f"embed.shape={w.embed.shape}, expected [vocab, hidden] = {(v, h)}")
+    if len(w.layers) != cfg.num_layers:
+        raise ShapeError(f"{len(w.layers)} layers of weights for num_layers={cfg.num_layers}")
+    want = expected_shapes(cfg)
+    for li, lw in enumerate(w.layers):
+        for name, shape in want.items():
+            got = getattr(lw, name).shape
+            if got != shape:
+                raise ShapeError(f"layers[{li}].{name}.shape={got}, expected {shape}")
+    if w.final_norm.shape != (h,):
+        raise ShapeError(f"final_norm.shape={w.final_norm.shape}, expected {(h,)}")
+    if w.lm_head is not None and w.lm_head.shape != (v, h):
+        raise ShapeError(f"lm_head.shape={w.lm_head.shape}, expected {(v, h)}")
+
+
+# --- the building blocks -------------------------------------------------------------
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x: [N, H] -> x / sqrt(mean(x^2) + eps) * weight."""
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return x * (1 / np.sqrt(ms + x.dtype.type(eps))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp."""
+    half = x.dtype.type(0.5)
+    return x * (half + half * np.tanh(half * x))
+
+
+def rope_tables(head_dim: int, max_position: int, theta: float, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: [max_position, D/2]. Pair i rotates by angle ``pos * theta^(-2i/D)``.
+
+    Angles are computed in float64 and rounded once, as transformers does, so a
+    float32 run and a float64 run differ only by that rounding.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> np.ndarray:
+    """Rotate pairs of dims of x: [N, heads, D] by per-token angles; cos/sin: [N, D/2].
+
+    For a pair (a, b) at angle t: (a, b) -> (a cos t - b sin t, b cos t + a sin t).
+    """
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    if layout == "half":
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    if layout == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = a * c - b * s
+        out[..., 1::2] = b * c + a * s
+        return out
+    raise ConfigError(f"rope layout {layout!r}; use one of {ROPE_LAYOUTS}")
+
+
+# --- the model -----------------------------------------------------------------------------
+
+@dataclass
+class _FusedLayer:
+    """A layer with Q/K/V and gate/up concatenated, so each is one matmul per step."""
+
+    attn_norm: np.ndarray
+    wqkv: np.ndarray      # [H, (Hq + 2 Hkv) * D]
+    wo: np.ndarray
+    mlp_norm: np.ndarray
+    w_gate_up: np.ndarray  # [H, 2 I]
+    w_down: np.ndarray
+
+
+@dataclass
+class Model:
+    """A Llama-style decoder that runs on any KV cache.
+
+    ``dtype`` is the compute dtype: float32 (default) or float64 for exactness
+    proofs. Weights are cast once at construction.
+    """
+
+    config: ModelConfig
+    weights: ModelWeights
+    dtype: type = np.float32
+    _layers: list = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if np.dtype(self.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise DTypeError(f"model dtype {np.dtype(self.dtype)}; use np.float32 or np.float64")
+        self.dtype = np.dtype(self.dtype).type
+        check_weights(self.config, self.weights)
+        w = self.weights.astype(self.dtype)
+        self.weights = w
+        self.embed = w.embed
+        self.lm_head = w.embed if w.lm_head is None else w.lm_head
+        self.final_norm = w.final_norm
+        self._layers = [
+            _FusedLayer(lw.attn_norm, np.concatenate([lw.wq, lw.wk, lw.wv], axis=1), lw.wo, lw.mlp_norm,
+                        np.concatenate([lw.w_gate, lw.w_up], axis=1), lw.w_down)
+            for lw in w.layers
+        ]
+        c = self.config
+        self.cos, self.sin = rope_tables(c.head_dim, c.max_position, c.rope_theta, self.dtype)
+
+    def new_cache_args(self) -> dict:
+        """The cache geometry this model needs: ``Cache(**model.new_cache_args(), ...)``."""
+        c = self.config
+        return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+
+    def check_tokens(self, tokens: Sequence) -> list[np.ndarray]:
+        """Validate a list of per-sequence token id lists; return them as int64 arrays."""
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 1:
+            raise ShapeError("tokens must be a list of per-sequence id arrays, e.g. [ids]; got one flat array")
+        out = []
+        for i, t in enumerate(tokens):
+            a = np.asarray(t)
+            if a.ndim != 1:
+                raise ShapeError(f"tokens[{i}].shape={a.shape}; each sequence is a 1-D list of token ids")
+            if a.size == 0:
+                raise InvalidInputError(f"tokens[{i}] is empty; every sequence needs at least one token "
+                                        "(an empty prompt cannot be decoded: add BOS or some text)")
+            if a.dtype.kind not in "iu":
+                raise DTypeError(f"tokens[{i}].dtype={a.dtype}; token ids must be integers")
+            lo, hi = int(a.min()), int(a.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise InvalidInputError(f"token id {bad} in tokens[{i}] is outside [0, {self.config.vocab_size}); "
+                                        "was the text encoded with this model's tokenizer?")
+            out.append(a.astype(np.int64))
+        if not out:
+            raise InvalidInputError("tokens is empty; pass at least one sequence")
+        return out
+
+    def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None,
+                all_logits: bool = False) -> np.ndarray:
+        """Run the new tokens of several sequences through the model.
+
+        tokens:  B lists of new token ids (sequence i brings T_i tokens)
+        cache:   any ``KVCacheBase``; the sequences must already be added to it
+        seq_ids: B cache ids (default 0..B-1)
+        returns: logits [B, V] of each sequence's last token, or [N, V] for every
+                 packed token if ``all_logits`` (N = sum T_i)
+        """
+        c = self.config
+        toks = self.check_tokens(tokens)
+        seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
+        if len(seq_ids) != len(toks):
+            raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
+                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
+                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        ids = np.concatenate(toks)
+        n, hq, hkv, d = ids.size, c.num_heads, c.num_kv_heads, c.head_dim
+        with cache.step(seq_ids, [t.size for t in toks]) as positions:
+            if positions.size and positions.max() >= c.max_position:
+                raise InvalidInputError(f"position {int(positions.max())} >= max_position={c.max_position}; "
+                                        "the model was not trained this long")
+            cos, sin = self.cos[positions], self.sin[positions]
+            x = self.embed[ids]  # [N, H]
+            for li, lw in enumerate(self._layers):
+                h = rms_norm(x, lw.attn_norm, c.rms_eps)
+                qkv = h @ lw.wqkv  # [N, (Hq + 2 Hkv) D]
+                q = qkv[:, : hq * d].reshape(n, hq, d)
+                k = qkv[:, hq * d: (hq + hkv) * d].reshape(n, hkv, d)
+                v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
+                q = apply_rope(q, cos, sin, c.rope_layout)
+                k = apply_rope(k, cos, sin, c.rope_layout)
+                cache.write(li, k, v)
+                attn = cache.attend(li, q)  # [N, Hq, D]
+                x = x + attn.reshape(n, hq * d) @ lw.wo
+                h = rms_norm(x, lw.mlp_norm, c.rms_eps)
+                gate_up = h @ lw.w_gate_up
+                i = c.intermediate_size
+                x = x + (silu(gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down
+            if not all_logits:
+                last = np.cumsum([t.size for t in toks]) - 1
+                x = x[last]
+            logits = rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head.T
+        assert logits.dtype == self.dtype, logits.dtype  # no silent float64 promotion
+        return logits
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Uncached logits of every position of one sequence: [T, V]. The reference for all caches."""
+        from minikv.kv_cache import NoCache
+
+        return self.forward([ids], NoCache(**self.new_cache_args(), dtype=self.dtype), all_logits=True)
+
+
+def random_model(num_layers: int = 2, hidden_size: int = 48, num_heads: int = 6, num_kv_heads: int = 2,
+                 head_dim: int = 8, intermediate_size: int = 80, vocab_size: int = 101,
+                 rope_layout: str = "half", rope_theta: float = 10000.0, max_position: int = 512,
+                 seed: int = 0, dtype=np.float32) -> Model:
+    """A tiny model with random weights, for fast tests (odd sizes welcome).
+
+    Weights are drawn with std 1/sqrt(fan_in) so activations stay O(1) through
+    the layers and the logits are not degenerate.
+    """
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      rope_theta=rope_theta, rope_layout=rope_layout, max_position=max_position,
+                      eos_token_id=vocab_size - 1)
+    rng = np.random.default_rng(seed)
+
+    def mat(fan_in, fan_out):
+        return rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
+
+    def norm(n):
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    h, i, d = hidden_size, intermediate_size, head_dim
+    layers = [LayerWeights(attn_norm=norm(h), wq=mat(h, num_heads * d), wk=mat(h, num_kv_heads * d),
+                           wv=mat(h, num_kv_heads * d), wo=mat(num_heads * d, h), mlp_norm=norm(h),
+                           w_gate=mat(h, i), w_up=mat(h, i), w_down=mat(i, h))
+              for _ in range(num_layers)]
+    weights = ModelWeights(embed=rng.standard_normal((vocab_size, h)), layers=layers, final_norm=norm(h))
+    return Model(cfg, weights, dtype=dtype)
