@@ -1,0 +1,53 @@
+"""Where a measurement ran: every benchmark result records this next to its numbers."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(packages: tuple[str, ...] = ("numpy",)) -> dict:
+    """CPU, cores, OS, Python, the versions of ``packages`` that are installed, and the date (UTC)."""
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "packages": versions,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def describe(info: dict) -> str:
+    """One line for the end of a benchmark's printout."""
+    pk = ", ".join(f"{k} {v}" for k, v in info["packages"].items() if v)
+    return f"machine: {info['cpu']}, {info['cores']} cores, {info['os']}, python {info['python']}, {pk}"
+
+
+def write_result(path: str | os.PathLike, payload: dict) -> Path:
+    """Write a benchmark's JSON (pretty, stable key order) and return its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
