@@ -308,7 +308,8 @@ def random_model(num_layers: int = 2, hidden_size: int = 48, num_heads: int = 6,
     """A tiny model with random weights, for fast tests (odd sizes welcome).
 
     Weights are drawn with std 1/sqrt(fan_in) so activations stay O(1) through
-    the layers and the logits are not degenerate.
+    the layers; the (tied) embedding too, so the logits come out O(1) and the
+    next-token distribution is spread out rather than one-hot.
     """
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -327,5 +328,5 @@ def random_model(num_layers: int = 2, hidden_size: int = 48, num_heads: int = 6,
                            wv=mat(h, num_kv_heads * d), wo=mat(num_heads * d, h), mlp_norm=norm(h),
                            w_gate=mat(h, i), w_up=mat(h, i), w_down=mat(i, h))
               for _ in range(num_layers)]
-    weights = ModelWeights(embed=rng.standard_normal((vocab_size, h)), layers=layers, final_norm=norm(h))
+    weights = ModelWeights(embed=rng.standard_normal((vocab_size, h)) / np.sqrt(h), layers=layers, final_norm=norm(h))
     return Model(cfg, weights, dtype=dtype)

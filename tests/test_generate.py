@@ -1,0 +1,74 @@
+"""The generation loop: caches change speed, never tokens; sampling is controlled and reproducible."""
+
+import numpy as np
+import pytest
+
+from minikv.errors import InvalidInputError
+from minikv.generate import GREEDY, SamplingParams, generate, sample, stream
+from minikv.model import random_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, hidden_size=40, seed=1)
+
+
+def test_greedy_tokens_identical_with_and_without_cache(model):
+    prompt = [3, 14, 15, 92, 65]
+    runs = {c: generate(model, prompt, 20, cache=c, eos_token_id=-1) for c in ("none", "contiguous")}
+    assert runs["none"].token_ids == runs["contiguous"].token_ids
+    assert len(runs["none"].token_ids) == 20
+    assert runs["contiguous"].prefill_s > 0 and runs["contiguous"].decode_s > 0
+
+
+def test_stream_yields_what_generate_returns(model):
+    sp = SamplingParams(temperature=0.8, top_k=10, seed=42)
+    streamed = list(stream(model, [1, 2, 3], 12, sampling=sp, eos_token_id=-1))
+    assert streamed == generate(model, [1, 2, 3], 12, sampling=sp, eos_token_id=-1).token_ids
+
+
+def test_stops_at_eos(model):
+    first = generate(model, [5, 6, 7], 10, eos_token_id=-1).token_ids
+    res = generate(model, [5, 6, 7], 10, eos_token_id=first[3])
+    stop = first.index(first[3])  # the first time that token appears
+    assert res.token_ids == first[: stop + 1]
+    assert res.finish_reason == "eos"
+
+
+def test_zero_new_tokens(model):
+    assert generate(model, [1, 2], 0).token_ids == []
+
+
+def test_sampling_is_seeded_and_varies(model):
+    sp = SamplingParams(temperature=1.5, seed=7)
+    a = generate(model, [1, 2, 3], 15, sampling=sp, eos_token_id=-1).token_ids
+    b = generate(model, [1, 2, 3], 15, sampling=sp, eos_token_id=-1).token_ids
+    c = generate(model, [1, 2, 3], 15, sampling=SamplingParams(temperature=1.5, seed=8), eos_token_id=-1).token_ids
+    assert a == b and a != c
+
+
+def test_top_k_and_top_p_restrict_the_choice():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    rng = np.random.default_rng(0)
+    draws = lambda sp: {sample(logits, sp, rng) for _ in range(400)}  # noqa: E731
+    assert draws(SamplingParams(top_k=1)) == {0}
+    assert draws(SamplingParams(top_k=2)) == {0, 1}
+    assert draws(SamplingParams(top_p=0.5)) == {0}  # 0.5 alone reaches the mass
+    assert draws(SamplingParams(top_p=0.79)) == {0, 1}  # 0.5 + 0.3 = 0.8 >= 0.79
+    assert draws(SamplingParams()) == {0, 1, 2, 3}
+    assert sample(logits, GREEDY, rng) == 0
+
+
+def test_bad_arguments(model):
+    with pytest.raises(InvalidInputError, match="temperature"):
+        SamplingParams(temperature=0)
+    with pytest.raises(InvalidInputError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidInputError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(InvalidInputError, match="empty"):
+        generate(model, [], 5)
+    with pytest.raises(InvalidInputError, match="max_new_tokens"):
+        generate(model, [1], -1)
+    with pytest.raises(InvalidInputError, match="cache kind"):
+        generate(model, [1], 2, cache="bogus")
