@@ -29,14 +29,17 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Numerically stable softmax: ``exp(x - max) / sum(exp(x - max))``.
 
     Subtracting the row maximum changes nothing mathematically (it cancels in
-    the ratio) but keeps ``exp`` from overflowing. Rows that are entirely
-    ``-inf`` (fully masked) would give 0/0; they return zeros instead of NaN.
+    the ratio) but keeps ``exp`` from overflowing. A row that is entirely
+    ``-inf`` (fully masked) returns zeros instead of 0/0 = NaN: its max is
+    clamped to the lowest finite float, so ``exp`` gives 0, and its sum is
+    clamped away from 0. Neither clamp can touch a normal row, whose max is
+    finite and whose sum is at least exp(0) = 1.
     """
-    m = np.max(x, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)  # fully masked row: avoid inf - inf
-    e = np.exp(x - m)
-    s = np.sum(e, axis=axis, keepdims=True)
-    return e / np.where(s == 0, 1, s)
+    m = np.maximum(np.max(x, axis=axis, keepdims=True), np.finfo(x.dtype).min)
+    e = x - m
+    np.exp(e, out=e)
+    e /= np.maximum(np.sum(e, axis=axis, keepdims=True), np.finfo(x.dtype).tiny)
+    return e
 
 
 def kv_head_for_query_head(num_heads: int, num_kv_heads: int) -> np.ndarray:
@@ -74,6 +77,27 @@ def check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         raise DTypeError(f"mixed dtypes q={q.dtype} k={k.dtype} v={v.dtype}; use one float dtype")
 
 
+def _grouped_probs(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
+    """Unchecked core: attention probabilities with query heads grouped per KV head.
+
+    q: [..., Hq, T, D], k: [..., Hkv, S, D] -> [..., Hkv, G*T, S], where row
+    ``g*T + t`` of KV head h belongs to query head ``h*G + g``, token t.
+    Grouping makes one matmul per KV head serve all G query heads that share
+    it: K is read once per group instead of being repeated G times.
+    """
+    *batch, hq, t, d = q.shape
+    hkv, s = k.shape[-3], k.shape[-2]
+    g = hq // hkv
+    scale = q.dtype.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
+    qg = (q * scale).reshape(*batch, hkv, g * t, d)
+    scores = qg @ np.swapaxes(k, -1, -2)  # [..., Hkv, G*T, S]
+    if causal and t > 1:
+        q_pos = np.arange(s - t, s)[:, None]  # query t sits at position S - T + t
+        visible = np.arange(s)[None, :] <= q_pos  # [T, S]
+        scores = np.where(np.tile(visible, (g, 1)), scores, -np.inf)
+    return softmax(scores, axis=-1)
+
+
 def attention_weights(q: np.ndarray, k: np.ndarray, causal: bool = True) -> np.ndarray:
     """The attention probabilities ``softmax(q k^T / sqrt(D) + mask)``: [..., Hq, T, S].
 
@@ -83,31 +107,20 @@ def attention_weights(q: np.ndarray, k: np.ndarray, causal: bool = True) -> np.n
     mask; with T == 1 (decode) nothing is masked.
     """
     check_qkv(q, k, k)
-    *batch, hq, t, d = q.shape
-    hkv, s = k.shape[-3], k.shape[-2]
-    # [..., Hq, T, D] -> [..., Hkv, G, T, D]: each KV head serves G query heads,
-    # so K is read once per group instead of being repeated G times.
-    qg = q.reshape(*batch, hkv, hq // hkv, t, d)
-    scale = q.dtype.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
-    scores = (qg @ np.swapaxes(k, -1, -2)[..., None, :, :]) * scale  # [..., Hkv, G, T, S]
-    if causal and t > 1:
-        q_pos = np.arange(s - t, s)[:, None]
-        k_pos = np.arange(s)[None, :]
-        scores = np.where(k_pos <= q_pos, scores, -np.inf)
-    return softmax(scores, axis=-1).reshape(*batch, hq, t, s)
+    return _grouped_probs(q, k, causal).reshape(*q.shape[:-1], k.shape[-2])
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True) -> np.ndarray:
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
+                     check: bool = True) -> np.ndarray:
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
 
         out = softmax(q k^T / sqrt(D) + mask) v
 
     q: [..., Hq, T, D], k/v: [..., Hkv, S, D] -> out: [..., Hq, T, D]
     (see ``attention_weights`` for which keys each query may see).
+    ``check=False`` skips input validation, for callers (the caches) that
+    already validated their arrays and call this once per layer per token.
     """
-    check_qkv(q, k, v)
-    *batch, hq, t, d = q.shape
-    hkv, s = k.shape[-3], k.shape[-2]
-    probs = attention_weights(q, k, causal).reshape(*batch, hkv, hq // hkv, t, s)
-    out = probs @ v[..., None, :, :]  # [..., Hkv, G, T, D]
-    return out.reshape(*batch, hq, t, d)
+    if check:
+        check_qkv(q, k, v)
+    return (_grouped_probs(q, k, causal) @ v).reshape(q.shape)  # [..., Hkv, G*T, D] -> [..., Hq, T, D]

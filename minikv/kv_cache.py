@@ -256,7 +256,7 @@ class NoCache(KVCacheBase):
             qi = q[r].transpose(1, 0, 2)  # [Hq, T, D]
             ki = self._k[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)  # [Hkv, T, D]
             vi = self._v[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)
-            out[r] = causal_attention(qi, ki, vi).transpose(1, 0, 2)
+            out[r] = causal_attention(qi, ki, vi, check=False).transpose(1, 0, 2)
         return out
 
 
@@ -348,7 +348,7 @@ class ContiguousKVCache(KVCacheBase):
             s = int(step.past[i] + step.num_new[i])  # history including this step's tokens
             k = self.k[layer, slot, :, :s].astype(q.dtype, copy=False)  # [Hkv, S, D]
             v = self.v[layer, slot, :, :s].astype(q.dtype, copy=False)
-            out[r] = causal_attention(q[r].transpose(1, 0, 2), k, v).transpose(1, 0, 2)
+            out[r] = causal_attention(q[r].transpose(1, 0, 2), k, v, check=False).transpose(1, 0, 2)
         return out
 
     # -- memory -----------------------------------------------------------------------

@@ -131,7 +131,7 @@ def check_weights(cfg: ModelConfig, w: ModelWeights) -> None:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x: [N, H] -> x / sqrt(mean(x^2) + eps) * weight."""
-    ms = np.mean(x * x, axis=-1, keepdims=True)
+    ms = np.einsum("nh,nh->n", x, x)[:, None] * x.dtype.type(1 / x.shape[-1])  # mean of squares, one pass
     return x * (1 / np.sqrt(ms + x.dtype.type(eps))) * weight
 
 
@@ -175,14 +175,22 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> 
 
 @dataclass
 class _FusedLayer:
-    """A layer with Q/K/V and gate/up concatenated, so each is one matmul per step."""
+    """A layer prepared for speed: Q/K/V fused into one matrix and gate/up into
+    another, so each is one matmul per step; every matrix transposed to
+    [out, in] (torch's Linear layout) and used as ``x @ w.T``.
+
+    Why [out, in]: decoding one token is a matrix-vector product whose speed is
+    set by how fast the weights stream from memory. With [out, in] each output
+    reads one contiguous row; on the benchmark machine that is ~15% faster than
+    ``x @ W`` with W stored [in, out] (see benchmarks/decode_cpu.py).
+    """
 
     attn_norm: np.ndarray
-    wqkv: np.ndarray      # [H, (Hq + 2 Hkv) * D]
-    wo: np.ndarray
+    wqkv_t: np.ndarray       # [(Hq + 2 Hkv) * D, H]
+    wo_t: np.ndarray         # [H, Hq * D]
     mlp_norm: np.ndarray
-    w_gate_up: np.ndarray  # [H, 2 I]
-    w_down: np.ndarray
+    w_gate_up_t: np.ndarray  # [2 I, H]
+    w_down_t: np.ndarray     # [H, I]
 
 
 @dataclass
@@ -208,9 +216,10 @@ class Model:
         self.embed = w.embed
         self.lm_head = w.embed if w.lm_head is None else w.lm_head
         self.final_norm = w.final_norm
+        t = np.ascontiguousarray
         self._layers = [
-            _FusedLayer(lw.attn_norm, np.concatenate([lw.wq, lw.wk, lw.wv], axis=1), lw.wo, lw.mlp_norm,
-                        np.concatenate([lw.w_gate, lw.w_up], axis=1), lw.w_down)
+            _FusedLayer(lw.attn_norm, t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1).T), t(lw.wo.T), lw.mlp_norm,
+                        t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T))
             for lw in w.layers
         ]
         c = self.config
@@ -274,19 +283,16 @@ class Model:
             x = self.embed[ids]  # [N, H]
             for li, lw in enumerate(self._layers):
                 h = rms_norm(x, lw.attn_norm, c.rms_eps)
-                qkv = h @ lw.wqkv  # [N, (Hq + 2 Hkv) D]
-                q = qkv[:, : hq * d].reshape(n, hq, d)
-                k = qkv[:, hq * d: (hq + hkv) * d].reshape(n, hkv, d)
-                v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
-                q = apply_rope(q, cos, sin, c.rope_layout)
-                k = apply_rope(k, cos, sin, c.rope_layout)
+                qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
+                qk = apply_rope(qkv[:, : hq + hkv], cos, sin, c.rope_layout)  # rotate Q and K in one go
+                q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
                 cache.write(li, k, v)
                 attn = cache.attend(li, q)  # [N, Hq, D]
-                x = x + attn.reshape(n, hq * d) @ lw.wo
+                x = x + attn.reshape(n, hq * d) @ lw.wo_t.T
                 h = rms_norm(x, lw.mlp_norm, c.rms_eps)
-                gate_up = h @ lw.w_gate_up
+                gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
                 i = c.intermediate_size
-                x = x + (silu(gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down
+                x = x + (silu(gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T
             if not all_logits:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]
