@@ -1,0 +1,254 @@
+"""Kernel runtime: CuPy when a CUDA GPU is usable, else the CPU simulator.
+
+    rt = get_runtime()                     # "cupy" or "sim"; env MINIKV_GPU_BACKEND=cupy|sim forces one
+    k = rt.kernel("attention", "causal_softmax_v1", defines={"HEAD_DIM": 64})
+    x = rt.asarray(np_x)                   # a device array (a NumPy copy on the sim)
+    k((n_rows,), (128,), (x, out, np.int32(n_rows), ...), shared_mem=0)
+    result = rt.asnumpy(out)
+
+``kernel()`` loads ``minikv_gpu/kernels/<stem>.cu`` once and compiles it once per set of
+defines. Launches take CuPy's RawKernel signature ``(grid, block, args, shared_mem=0)``:
+arrays for pointer parameters, exact NumPy scalars (``np.int32(n)``, ``np.float32(x)``) for
+value parameters. Both backends check every argument against the kernel's real parameter
+list, because CuPy itself does not (a Python int is passed as 8 bytes, whatever the kernel
+expects).
+
+On CuPy, kernels compile with NVRTC (``cupy.RawModule(code=..., options=("-std=c++17",
+"-DNAME=VALUE", ...))``). Kernels that ``#include <cuda_fp16.h>`` need the CUDA headers:
+NVRTC gets ``-I`` for the first folder holding ``cuda_fp16.h`` among ``$CUDA_PATH/include``,
+``$CUDA_HOME/include``, ``/usr/local/cuda/include`` and the ``nvidia-*`` pip packages. If none
+is found, set ``CUDA_PATH``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from minikv.errors import BackendUnavailableError, InvalidInputError, KernelCompileError
+
+from . import cpu_sim
+from .cpu_sim.signature import KernelDecl, check_args, find_kernels
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+BACKENDS = ("cupy", "sim")
+ENV_VAR = "MINIKV_GPU_BACKEND"
+DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a CUDA kernel must opt in to more dynamic shared memory
+
+
+class Runtime:
+    """What kernels need from a backend. Subclasses: CupyRuntime, SimRuntime."""
+
+    name: str
+    xp: object  # cupy or numpy
+
+    def __init__(self) -> None:
+        self._sources: dict[str, str] = {}
+        self._kernels: dict[tuple, object] = {}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+    def source(self, stem: str) -> str:
+        """The text of minikv_gpu/kernels/<stem>.cu, read once."""
+        if stem not in self._sources:
+            if not isinstance(stem, str) or not stem or "/" in stem or "\\" in stem or stem.startswith("."):
+                raise InvalidInputError(f"kernel file stem must be a plain name such as 'attention', got {stem!r}")
+            path = KERNEL_DIR / f"{stem}.cu"
+            if not path.is_file():
+                available = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+                raise InvalidInputError(f"no kernel file {path}; available stems: {available}")
+            self._sources[stem] = path.read_text()
+        return self._sources[stem]
+
+    def kernel(self, stem: str, name: str, defines: dict | None = None):
+        """Kernel ``name`` of minikv_gpu/kernels/<stem>.cu compiled with ``defines`` (cached)."""
+        key = ("file", stem, name, _defines_key(defines))
+        if key not in self._kernels:
+            self._kernels[key] = self._compile(self.source(stem), f"minikv_gpu/kernels/{stem}.cu", name,
+                                               defines, KERNEL_DIR)
+        return self._kernels[key]
+
+    def kernel_from_source(self, source: str, name: str, defines: dict | None = None):
+        """Kernel ``name`` compiled from a source string (tests, notebooks)."""
+        if not isinstance(source, str):
+            raise InvalidInputError(f"source must be a str of CUDA C, got {type(source).__name__}")
+        key = ("source", source, name, _defines_key(defines))
+        if key not in self._kernels:
+            self._kernels[key] = self._compile(source, "<source>", name, defines, None)
+        return self._kernels[key]
+
+    def _compile(self, source: str, filename: str, name: str, defines: dict | None, source_dir: Path | None):
+        raise NotImplementedError
+
+    def asarray(self, a, dtype=None):
+        """Host array -> device array (always a copy, as a transfer to the GPU would be)."""
+        raise NotImplementedError
+
+    def asnumpy(self, a) -> np.ndarray:
+        """Device array -> new NumPy array."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until all launched kernels have finished."""
+
+
+def _defines_key(defines: dict | None) -> tuple:
+    if defines is not None and not isinstance(defines, dict):
+        raise InvalidInputError(f"defines must be a dict such as {{'HEAD_DIM': 64}}, got {type(defines).__name__}")
+    return tuple(cpu_sim.define_flags(defines))
+
+
+class SimRuntime(Runtime):
+    """Kernels compiled with g++ and run on the CPU, one fiber per CUDA thread (minikv_gpu/cpu_sim)."""
+
+    name = "sim"
+    xp = np
+
+    def __init__(self) -> None:
+        super().__init__()
+        cpu_sim.build.compiler()  # fail now, with a clear message, if there is no g++
+
+    def _compile(self, source, filename, name, defines, source_dir):
+        return cpu_sim.load_module(source, filename, defines, source_dir).get_function(name)
+
+    def asarray(self, a, dtype=None) -> np.ndarray:
+        return np.array(a, dtype=dtype, order="C", copy=True)
+
+    def asnumpy(self, a) -> np.ndarray:
+        return np.array(a, copy=True)
+
+
+class _CupyKernel:
+    """A cupy.RawKernel behind the same argument checks as the simulator."""
+
+    def __init__(self, raw, name: str, decl: KernelDecl | None, cupy):
+        self._raw, self._cupy = raw, cupy
+        self.name = name
+        self.params = decl.params if decl else None  # None: the parser could not read them; unchecked
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        grid3, block3, shared_mem = cpu_sim.check_launch_config(grid, block, shared_mem)
+        if self.params is not None:
+            check_args(self.name, self.params, args, array_type=self._cupy.ndarray,
+                       data_ptr=lambda a: a.data.ptr, strict=False)
+        if shared_mem > DEFAULT_SHARED_LIMIT and self._raw.max_dynamic_shared_size_bytes < shared_mem:
+            self._raw.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above 48 KiB
+        self._raw(grid3, block3, tuple(args), shared_mem=shared_mem)
+
+
+def _cuda_include_dir() -> str | None:
+    candidates = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    dirs = [Path(c) / "include" for c in candidates if c]
+    for site in map(Path, sys.path):
+        nvidia = site / "nvidia"
+        if nvidia.is_dir():
+            dirs += sorted(nvidia.glob("*/include"))
+    for d in dirs:
+        if (d / "cuda_fp16.h").is_file():
+            return str(d)
+    return None
+
+
+class CupyRuntime(Runtime):
+    """Kernels compiled by NVRTC through cupy.RawModule, run on the current CUDA device."""
+
+    name = "cupy"
+
+    def __init__(self, cupy) -> None:
+        super().__init__()
+        self.xp = cupy
+        self._modules: dict[tuple, tuple] = {}
+        include = _cuda_include_dir()
+        self._base_options = ("-std=c++17",) + ((f"-I{include}",) if include else ())
+
+    def _compile(self, source, filename, name, defines, source_dir):
+        options = self._base_options + tuple(cpu_sim.define_flags(defines))
+        if source_dir is not None:
+            options += (f"-I{source_dir}",)
+        key = (source, options)
+        if key not in self._modules:
+            self._modules[key] = (self.xp.RawModule(code=source, options=options),
+                                  _declared_kernels(source, filename, defines, source_dir))
+        module, decls = self._modules[key]
+        try:
+            raw = module.get_function(name)
+        except Exception as exc:  # NVRTC compile errors surface here, on first use
+            raise KernelCompileError(f"{filename}: cannot get kernel {name!r} (defines {defines}): {exc}") from exc
+        return _CupyKernel(raw, name, decls.get(name), self.xp)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.array(a, dtype=dtype, order="C", copy=True)
+
+    def asnumpy(self, a) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+
+def _declared_kernels(source: str, filename: str, defines, source_dir) -> dict[str, KernelDecl]:
+    """Parameter lists for the CuPy checks: from the preprocessed source if g++ exists, else the raw text."""
+    try:
+        text = cpu_sim.build.scan_source(source, filename, defines, [source_dir] if source_dir else [])
+        marker = cpu_sim.signature.KERNEL_MARK
+    except (BackendUnavailableError, KernelCompileError):
+        text, marker = source, "__global__"
+    return {k.name: k for k in find_kernels(text, marker=marker)}
+
+
+def _cupy_or_reason():
+    """(cupy module, "") when a CUDA device is usable, else (None, why not)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"CuPy is not installed ({exc}); pip install 'minikv[gpu]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDA driver missing, no device, ...
+        return None, f"CuPy cannot reach a CUDA device: {exc}"
+    if count < 1:
+        return None, "CuPy sees no CUDA device"
+    return cupy, ""
+
+
+@functools.lru_cache(maxsize=1)
+def _auto_backend() -> str:
+    return "cupy" if _cupy_or_reason()[0] is not None else "sim"
+
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def get_runtime(backend: str | None = None) -> Runtime:
+    """The runtime for ``backend`` ("cupy" or "sim"); None: $MINIKV_GPU_BACKEND, else cupy if usable, else sim."""
+    if backend is None:
+        backend = os.environ.get(ENV_VAR, "").strip().lower() or None
+        if backend is not None and backend not in BACKENDS:
+            raise InvalidInputError(f"{ENV_VAR}={backend!r}: must be one of {BACKENDS} (or unset for auto)")
+    if backend is not None and backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend is None:
+        backend = _auto_backend()
+    if backend not in _RUNTIMES:
+        if backend == "cupy":
+            cupy, reason = _cupy_or_reason()
+            if cupy is None:
+                raise BackendUnavailableError(f"backend 'cupy' cannot run here: {reason}. Use backend='sim' "
+                                              f"(or {ENV_VAR}=sim) for the CPU simulator.")
+            _RUNTIMES[backend] = CupyRuntime(cupy)
+        else:
+            _RUNTIMES[backend] = SimRuntime()
+    return _RUNTIMES[backend]
+
+
+def default_runtime() -> Runtime:
+    """get_runtime(None): the backend chosen by the environment."""
+    return get_runtime(None)
+
+
+__all__ = ["BACKENDS", "CupyRuntime", "Runtime", "SimRuntime", "default_runtime", "get_runtime"]
