@@ -123,6 +123,80 @@ def _run_demo(args) -> int:
     return 0 if same else 1
 
 
+# --- memory ----------------------------------------------------------------------------------
+
+# flag -> ModelShape field, for describing a model by hand (or overriding a preset's field)
+_MEMORY_SHAPE_FLAGS = {
+    "layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
+    "heads": "num_heads", "intermediate": "intermediate_size", "vocab": "vocab_size",
+    "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "q_lora_rank": "q_lora_rank",
+    "v_head_dim": "v_head_dim",
+}
+
+
+@subcommand
+def _add_memory(sub) -> None:
+    from minikv.costs import DTYPE_BITS, MLP_KINDS, PRESETS
+
+    p = sub.add_parser("memory", help="KV-cache and weight memory; FLOPs per token with and without cache",
+                       description="Memory and FLOPs of a model preset or of a shape given by flags "
+                                   "(flags given with --preset override its fields). Sizes are printed in "
+                                   "decimal GB (1e9 bytes) and binary GiB (2^30 bytes).")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a model whose shape and source minikv knows")
+    p.add_argument("--list-presets", action="store_true", help="print the presets and their sources; exit")
+    p.add_argument("--batch", type=int, default=1, help="sequences in the batch (default 1)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence (default 256)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BITS), default="fp16",
+                   help="KV-cache dtype (default fp16)")
+    p.add_argument("--weights-dtype", choices=sorted(DTYPE_BITS), default=None,
+                   help="weights dtype (default: same as --dtype)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="for fp8/int8/int4 caches: count one scale per this many values (default: no scales)")
+    p.add_argument("--scale-bytes", type=int, default=2, help="bytes per group scale (default 2, one fp16)")
+    g = p.add_argument_group("shape (instead of, or on top of, --preset)")
+    for flag, field in _MEMORY_SHAPE_FLAGS.items():
+        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None, dest=flag,
+                       help=f"ModelShape.{field}")
+    g.add_argument("--mlp", choices=MLP_KINDS, default=None, help="MLP kind (default swiglu)")
+    g.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="output head tied to the embedding")
+    p.add_argument("--json", action="store_true", help="also print one JSON line last (kv_cache_bytes, ...)")
+    p.set_defaults(func=_run_memory)
+
+
+def _run_memory(args) -> int:
+    from minikv.costs import PRESETS, ModelShape, get_preset, memory_report, render_report
+    from minikv.errors import ConfigError
+
+    if args.list_presets:
+        for name, shape in PRESETS.items():
+            print(f"{name:14s} {shape.attention_kind}  {shape.source}")
+        return 0
+    fields = {field: getattr(args, flag) for flag, field in _MEMORY_SHAPE_FLAGS.items()
+              if getattr(args, flag) is not None}
+    if args.mlp is not None:
+        fields["mlp"] = args.mlp
+    if args.tied is not None:
+        fields["tie_embeddings"] = args.tied
+    if args.preset:
+        shape = get_preset(args.preset)
+        if fields:
+            shape = shape.replace(name=f"{shape.name} (modified: {', '.join(sorted(fields))})", source="",
+                                  published_params=None, **fields)
+    elif "num_layers" not in fields:
+        raise ConfigError("give --preset NAME (see --list-presets) or at least --layers with --kv-heads and "
+                          "--head-dim (or --kv-lora-rank and --rope-dim for MLA)")
+    else:
+        shape = ModelShape(name="custom", **fields)
+    rep = memory_report(shape, args.batch, args.prompt_len, args.output_len, args.dtype, args.weights_dtype,
+                        args.group_size, args.scale_bytes)
+    print(render_report(rep, shape))
+    if args.json:
+        _print_json(rep)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minikv",
