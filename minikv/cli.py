@@ -232,6 +232,106 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=lambda args: BENCHES[args.name](args))
 
 
+# --- compare -------------------------------------------------------------------------------
+
+@subcommand
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="run the NumPy path and the GPU path (CuPy or simulator) token by token")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="steps to compare, the prefill included")
+    p.add_argument("--backend", choices=["cupy", "sim"], default=None,
+                   help="GPU path: CuPy or the CPU simulator (default: $MINIKV_GPU_BACKEND, else CuPy if usable)")
+    p.add_argument("--cache", choices=["contiguous", "none"], default="contiguous")
+    p.add_argument("--cache-dtype", choices=["float32", "float16"], default="float32",
+                   help="what both caches store (attention computes in float32 either way)")
+    p.add_argument("--fused", action="store_true", help="decode with the fused RoPE + cache-write + attention kernel")
+    p.add_argument("--random", action="store_true",
+                   help="SmolLM2-135M's shapes with random weights (no GGUF file needed; prompt bytes as ids)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed for --random")
+    p.add_argument("--tol", type=float, default=None,
+                   help="exit 1 if max |Δlogit| exceeds this or tokens differ (default 1e-3; 1e-2 with a float16 "
+                        "cache, whose rounding turns last-bit differences into float16 ulps)")
+    p.add_argument("--json", action="store_true", help="print one JSON line last with the summary")
+    _add_model_flags(p)
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args) -> int:
+    # The one place the `minikv` command reaches into minikv_gpu: imported lazily, so minikv itself
+    # never depends on the GPU wing.
+    from minikv.errors import ConfigError
+    from minikv_gpu import runtime
+    from minikv_gpu.compare import DEFAULT_TOL, compare, smollm2_random
+
+    if args.random:
+        if args.model:
+            raise ConfigError("give either --model PATH or --random, not both")
+        model = smollm2_random(args.seed)
+        ids = list(args.prompt.encode("utf-8"))  # byte values are valid ids of any vocab >= 256
+        label = f"SmolLM2-135M shapes, random weights (seed {args.seed})"
+    else:
+        from minikv.gguf import load_model
+
+        model, tok = load_model(args.model)
+        ids = tok.encode(args.prompt)
+        label = "SmolLM2-135M (GGUF)"
+    rt = runtime.get_runtime(args.backend)
+    print(f"{label}; prompt {len(ids)} tokens; GPU path: {rt.name}, cache {args.cache} ({args.cache_dtype})"
+          f"{', fused decode kernel' if args.fused else ''}")
+    print(f"{'step':>4} {'kind':>7} {'tokens':>6} {'max|Δlogit|':>12} {'numpy':>7} {'gpu':>7}  agree "
+          f"{'numpy ms':>9} {'gpu ms':>9}")
+
+    def show(s):
+        print(f"{s.step:>4} {s.kind:>7} {s.tokens:>6} {s.max_abs_logit_diff:>12.3e} {s.token_numpy:>7} "
+              f"{s.token_gpu:>7}  {'yes' if s.agree else 'NO ':>5} {1e3 * s.numpy_s:>9.1f} {1e3 * s.gpu_s:>9.1f}",
+              flush=True)
+
+    res = compare(model, ids, args.max_new_tokens, backend=rt.name, cache=args.cache, cache_dtype=args.cache_dtype,
+                  fused=args.fused, on_step=show)
+    tol = DEFAULT_TOL[args.cache_dtype] if args.tol is None else args.tol
+    ok = res.tokens_agree and res.max_abs_logit_diff <= tol
+    print(f"max |Δlogit| {res.max_abs_logit_diff:.3e} over {len(res.steps)} steps (tolerance {tol:g}); "
+          f"greedy tokens {'agree' if res.tokens_agree else 'DIFFER'}")
+    if args.json:
+        _print_json(res.summary())
+    return 0 if ok else 1
+
+
+# --- bench ---------------------------------------------------------------------------------
+
+def _bench_batching(args) -> int:
+    from minikv.machine import describe, machine_info
+    from minikv.scheduler import Workload, batching_benchmark, format_benchmark
+
+    res = batching_benchmark(Workload(num_requests=args.requests, seed=args.seed),
+                             kv_budget_bytes=int(args.kv_budget_mib * 2**20), block_size=args.block_size,
+                             preemption=args.preemption)
+    print(format_benchmark(res))
+    print(describe(machine_info()))
+    if args.json:
+        _print_json(res)
+    return 0
+
+
+BENCHES = {"batching": _bench_batching}  # name -> run(args); add a benchmark by adding an entry
+
+
+@subcommand
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory)",
+                       description="batching: continuous batching of a synthetic workload (lognormal lengths, "
+                                   "shared system prompt) on a tiny random model, paged vs a contiguous "
+                                   "cache reserving max length, at the same KV budget in bytes.")
+    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("--requests", type=int, default=160, help="requests in the workload (default 160)")
+    p.add_argument("--kv-budget-mib", type=float, default=4.0, help="KV memory budget in MiB (default 4)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    p.add_argument("--json", action="store_true", help="print one JSON line last (paged, contiguous, ratios)")
+    p.set_defaults(func=lambda args: BENCHES[args.name](args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minikv",

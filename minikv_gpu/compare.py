@@ -1,0 +1,146 @@
+"""NumPy path vs GPU path, token by token: the engine behind ``minikv compare``.
+
+Both models get the same prompt and, at every decode step, the same next token:
+the NumPy reference's greedy choice. So every step compares logits of the same
+inputs, and a disagreement of the GPU's argmax shows up at the step where it
+happens instead of derailing the rest of the run.
+
+    step 0       prefill of the prompt (T tokens): logits of its last token -> new token 1
+    step 1..N-1  one decode step each over the cache -> new tokens 2..N
+
+Reported per step: max |Δlogit|, whether the argmaxes agree, and the wall time
+of each path (the GPU time includes copying the logits back to the host).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from minikv import kv_cache as cpu_cache
+from minikv.errors import ConfigError, InvalidInputError
+from minikv.model import Model as CpuModel
+from minikv.model import random_model
+from minikv_gpu import kv_cache as gpu_cache
+from minikv_gpu import runtime as _runtime
+from minikv_gpu.model import from_cpu
+
+# SmolLM2-135M's architecture (DESIGN.md section 3), for --random: the GPU machine runs the
+# real shapes without the 98 MB GGUF file, which does not travel there.
+SMOLLM2_SHAPES = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                      intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position=8192,
+                      rope_layout="interleaved")
+CACHE_KINDS = ("contiguous", "none")
+
+# Pass criteria on max |Δlogit| (greedy tokens must agree as well). float32: both paths compute the same
+# float32 math in a different order, so the logits agree to ~1e-5..1e-4 and 1e-3 is the issue's bound.
+# float16 cache: the two paths' float32 keys can differ in their last bit (another matmul order), and a
+# value that sits on a float16 rounding boundary then rounds one float16 ulp (2^-11 relative) apart;
+# over 30 layers those flips move SmolLM2's logits by a few 1e-3 (measured: 4.7e-3 on the simulator),
+# still far below the float16 rounding's own effect on the logits.
+DEFAULT_TOL = {"float32": 1e-3, "float16": 1e-2}
+
+
+@dataclass
+class StepResult:
+    step: int
+    kind: str              # "prefill" or "decode"
+    tokens: int            # tokens fed in this step
+    max_abs_logit_diff: float
+    token_numpy: int
+    token_gpu: int
+    numpy_s: float
+    gpu_s: float
+
+    @property
+    def agree(self) -> bool:
+        return self.token_numpy == self.token_gpu
+
+
+@dataclass
+class CompareResult:
+    backend: str
+    cache: str
+    cache_dtype: str
+    fused: bool
+    prompt_tokens: int
+    steps: list = field(default_factory=list)
+
+    @property
+    def max_abs_logit_diff(self) -> float:
+        return max((s.max_abs_logit_diff for s in self.steps), default=0.0)
+
+    @property
+    def tokens_agree(self) -> bool:
+        return all(s.agree for s in self.steps)
+
+    def summary(self) -> dict:
+        """The JSON line of ``minikv compare --json``."""
+        return {"max_abs_logit_diff": self.max_abs_logit_diff, "tokens_agree": self.tokens_agree,
+                "steps": len(self.steps), "backend": self.backend, "cache": self.cache,
+                "cache_dtype": self.cache_dtype, "fused": self.fused, "prompt_tokens": self.prompt_tokens,
+                "numpy_s": sum(s.numpy_s for s in self.steps), "gpu_s": sum(s.gpu_s for s in self.steps),
+                "per_step": [{**asdict(s), "agree": s.agree} for s in self.steps]}
+
+
+def smollm2_random(seed: int = 0) -> CpuModel:
+    """A NumPy model with SmolLM2-135M's shapes and random weights."""
+    return random_model(seed=seed, **SMOLLM2_SHAPES)
+
+
+def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: str | None = None,
+            cache: str = "contiguous", cache_dtype=np.float32, fused: bool = False,
+            on_step=None) -> CompareResult:
+    """Run ``model`` (NumPy) and its GPU twin side by side; see the module docstring.
+
+    max_new_tokens: steps to compare, the prefill included (>= 1)
+    cache:          "contiguous" (both paths cache K/V) or "none" (both recompute everything)
+    cache_dtype:    what both caches store, float32 or float16
+    fused:          the GPU path decodes with the fused RoPE + cache-write + attention kernel
+    on_step:        called with each ``StepResult`` as soon as it is measured (for printing)
+    """
+    if cache not in CACHE_KINDS:
+        raise ConfigError(f"cache={cache!r}; compare supports {CACHE_KINDS}")
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        raise InvalidInputError(f"max_new_tokens={max_new_tokens!r}; use an integer >= 1 (1 = prefill only)")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise InvalidInputError("the prompt encodes to no tokens; give some text")
+    rt = _runtime.get_runtime(backend)
+    cache_dtype = np.dtype(cache_dtype)
+    gpu = from_cpu(model, runtime=rt, cache_dtype=cache_dtype, fused=fused)
+    if cache == "contiguous":
+        max_len = len(ids) + max_new_tokens
+        c_cpu = cpu_cache.ContiguousKVCache(**model.new_cache_args(), max_seqs=1, max_len=max_len,
+                                            dtype=cache_dtype)
+        c_gpu = gpu.new_cache(max_seqs=1, max_len=max_len)
+    else:
+        c_cpu = cpu_cache.NoCache(**model.new_cache_args(), dtype=model.dtype)
+        c_gpu = gpu_cache.NoCache(**model.new_cache_args(), runtime=rt)
+    c_cpu.add_sequence(0)
+    c_gpu.add_sequence(0)
+
+    result = CompareResult(backend=rt.name, cache=cache, cache_dtype=cache_dtype.name, fused=fused,
+                           prompt_tokens=len(ids))
+    history, feed = list(ids), list(ids)
+    for step in range(max_new_tokens):
+        t0 = time.perf_counter()
+        ref = model.forward([feed], c_cpu)[0]
+        t1 = time.perf_counter()
+        got = rt.asnumpy(gpu.forward([feed], c_gpu)[0])
+        rt.synchronize()
+        t2 = time.perf_counter()
+        if got.shape != ref.shape or got.dtype != np.float32:
+            raise AssertionError(f"GPU logits {got.shape} {got.dtype} vs NumPy {ref.shape} {ref.dtype}")
+        diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if np.all(np.isfinite(got)) else float("inf")
+        res = StepResult(step=step, kind="prefill" if step == 0 else "decode", tokens=len(feed),
+                         max_abs_logit_diff=diff, token_numpy=int(np.argmax(ref)), token_gpu=int(np.argmax(got)),
+                         numpy_s=t1 - t0, gpu_s=t2 - t1)
+        result.steps.append(res)
+        if on_step is not None:
+            on_step(res)
+        history.append(res.token_numpy)
+        feed = list(history) if cache == "none" else [res.token_numpy]
+    return result

@@ -1,0 +1,227 @@
+"""The Llama-style decoder on the GPU (mirrors ``minikv.model`` name for name).
+
+Same config, same weights, same ``forward`` contract as the NumPy model; the
+building blocks run as kernels of ``kernels/model.cu`` and the matrix products
+as ``xp.matmul`` (cuBLAS on a GPU, NumPy's BLAS on the simulator). The model
+never knows which cache it runs on: it calls ``cache.write`` / ``cache.attend``
+of a ``minikv_gpu.kv_cache`` cache, or, with ``fused=True`` on a decode step,
+the fused ``rope_write_attend`` (RoPE + cache write + attention in one kernel).
+
+Arrays returned are on the device (``runtime.xp``); ``runtime.asnumpy`` brings
+them back. Compute is float32 only; the cache may store float16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from minikv import model as _cpu
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
+from minikv_gpu.attention import device_f32, get_runtime, head_dim_defines
+from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
+
+__all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "silu", "swiglu", "rope_tables",
+           "apply_rope", "random_model", "from_cpu"]
+
+THREADS = 256
+
+
+def _blocks(n: int) -> int:
+    return (n + THREADS - 1) // THREADS
+
+
+def rms_norm(x, weight, eps: float, *, runtime=None):
+    """x: [N, H] -> x / sqrt(mean(x^2) + eps) * weight (kernel ``rms_norm_v1``)."""
+    rt = get_runtime(runtime)
+    x, weight = device_f32(rt, x, "x"), device_f32(rt, weight, "weight")
+    if x.ndim != 2 or weight.shape != (x.shape[1],):
+        raise ShapeError(f"x.shape={x.shape}, weight.shape={weight.shape}; expected x [N, H] and weight [H]")
+    out = rt.xp.empty_like(x)
+    if x.size:
+        rt.kernel("model", "rms_norm_v1")((x.shape[0],), (THREADS,),
+                                          (x, weight, out, np.int32(x.shape[0]), np.int32(x.shape[1]),
+                                           np.float32(eps)))
+    return out
+
+
+def silu(x, *, runtime=None):
+    """x * sigmoid(x), element-wise (kernel ``silu_v1``; sigmoid through tanh, as in minikv)."""
+    rt = get_runtime(runtime)
+    x = device_f32(rt, x, "x")
+    out = rt.xp.empty_like(x)
+    if x.size:
+        rt.kernel("model", "silu_v1")((_blocks(x.size),), (THREADS,), (x, out, np.int64(x.size)))
+    return out
+
+
+def swiglu(gate_up, *, runtime=None):
+    """The MLP's activation, fused: gate_up [N, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:]: [N, I]."""
+    rt = get_runtime(runtime)
+    gate_up = device_f32(rt, gate_up, "gate_up")
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ShapeError(f"gate_up.shape={gate_up.shape}; expected [N, 2I] (gate and up side by side)")
+    n, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = rt.xp.empty((n, i), dtype=np.float32)
+    if out.size:
+        rt.kernel("model", "swiglu_v1")((_blocks(n * i),), (THREADS,), (gate_up, out, np.int32(n), np.int32(i)))
+    return out
+
+
+def apply_rope(x, cos, sin, layout: str, *, runtime=None):
+    """Rotate pairs of dims of x: [N, heads, D] by per-token angles; cos/sin: [N, D/2] (kernel ``rope_v1``).
+
+    layout "interleaved" rotates pairs (2i, 2i+1) (GGUF), "half" pairs (i, i + D/2) (transformers).
+    """
+    rt = get_runtime(runtime)
+    if layout not in ROPE_LAYOUTS:
+        raise ConfigError(f"rope layout {layout!r}; use one of {ROPE_LAYOUTS}")
+    x, cos, sin = device_f32(rt, x, "x"), device_f32(rt, cos, "cos"), device_f32(rt, sin, "sin")
+    if x.ndim != 3 or x.shape[2] % 2:
+        raise ShapeError(f"x.shape={x.shape}; expected [N, heads, D] with D even")
+    n, heads, d = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, d // 2):
+            raise ShapeError(f"{name}.shape={t.shape}, expected [N, D/2] = {(n, d // 2)}")
+    out = rt.xp.empty_like(x)
+    if x.size:
+        rt.kernel("model", "rope_v1")((_blocks(x.size // 2),), (THREADS,),
+                                      (x, out, cos, sin, np.int32(n), np.int32(heads), np.int32(d // 2),
+                                       np.int32(layout == "half")))
+    return out
+
+
+@dataclass
+class _FusedLayer:
+    """A layer's weights on the device, Q/K/V and gate/up concatenated (one matmul each)."""
+
+    attn_norm: object
+    wqkv: object       # [H, (Hq + 2 Hkv) * D]
+    wo: object
+    mlp_norm: object
+    w_gate_up: object  # [H, 2 I]
+    w_down: object
+
+
+@dataclass
+class Model(_cpu.Model):
+    """``minikv.model.Model`` on the GPU kernels.
+
+    config, weights: as for the NumPy model (host arrays, uploaded once as float32)
+    runtime:     the kernel runtime (default: CuPy on a GPU, else the simulator)
+    cache_dtype: the dtype of caches built by ``new_cache`` (float32 or float16)
+    fused:       on decode steps over a ``ContiguousKVCache``, use the fused
+                 RoPE + cache-write + attention kernel instead of three launches
+
+    Validation (``check_tokens``), ``new_cache_args`` and the step protocol are
+    the NumPy model's; compute is float32.
+    """
+
+    dtype: type = np.float32
+    runtime: object = None
+    cache_dtype: type = np.float32
+    fused: bool = False
+    _layers: list = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if np.dtype(self.dtype) != np.float32:
+            raise DTypeError(f"model dtype {np.dtype(self.dtype)}; the GPU model computes in float32 "
+                             "(use minikv.model.Model for float64 proofs)")
+        if np.dtype(self.cache_dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+            raise DTypeError(f"cache_dtype={np.dtype(self.cache_dtype)}; use np.float32 or np.float16")
+        self.dtype = np.float32
+        self.rt = get_runtime(self.runtime)
+        c = self.config
+        head_dim_defines(c.head_dim)  # fail now, not at the first launch
+        check_weights(c, self.weights)
+        up = lambda a: self.rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+        w = self.weights
+        self.embed = up(w.embed)
+        self.lm_head = self.embed if w.lm_head is None else up(w.lm_head)
+        self.final_norm = up(w.final_norm)
+        self._layers = [
+            _FusedLayer(up(lw.attn_norm), up(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)), up(lw.wo),
+                        up(lw.mlp_norm), up(np.concatenate([lw.w_gate, lw.w_up], axis=1)), up(lw.w_down))
+            for lw in w.layers
+        ]
+        cos, sin = rope_tables(c.head_dim, c.max_position, c.rope_theta, np.float32)
+        self.cos, self.sin = up(cos), up(sin)
+
+    def new_cache(self, max_seqs: int, max_len: int, **kwargs) -> ContiguousKVCache:
+        """A device ``ContiguousKVCache`` of this model's geometry, storing ``cache_dtype``."""
+        return ContiguousKVCache(**self.new_cache_args(), max_seqs=max_seqs, max_len=max_len,
+                                 dtype=self.cache_dtype, runtime=self.rt, **kwargs)
+
+    def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None, all_logits: bool = False):
+        """Run the new tokens of several sequences through the model (see ``minikv.model.Model.forward``).
+
+        tokens:  B lists of new token ids (sequence i brings T_i tokens)
+        cache:   a ``minikv_gpu.kv_cache`` cache; the sequences must already be added to it
+        seq_ids: B cache ids (default 0..B-1)
+        returns: float32 logits on the device, [B, V] (each sequence's last token) or [N, V]
+        """
+        c, rt, xp = self.config, self.rt, self.rt.xp
+        toks = self.check_tokens(tokens)
+        seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
+        if len(seq_ids) != len(toks):
+            raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
+        if not isinstance(cache, (ContiguousKVCache, NoCache)):
+            raise ConfigError(f"cache is a {type(cache).__module__}.{type(cache).__name__}; the GPU model needs a "
+                              "minikv_gpu.kv_cache cache (e.g. model.new_cache(max_seqs, max_len))")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
+                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
+                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        ids = rt.asarray(np.concatenate(toks))
+        n, hq, hkv, d = int(ids.size), c.num_heads, c.num_kv_heads, c.head_dim
+        with cache.step(seq_ids, [t.size for t in toks]) as positions:
+            if positions.size and positions.max() >= c.max_position:
+                raise InvalidInputError(f"position {int(positions.max())} >= max_position={c.max_position}; "
+                                        "the model was not trained this long")
+            pos = rt.asarray(positions)
+            cos, sin = xp.ascontiguousarray(self.cos[pos]), xp.ascontiguousarray(self.sin[pos])
+            fused = self.fused and isinstance(cache, ContiguousKVCache) and all(t.size == 1 for t in toks)
+            x = self.embed[ids]  # [N, H]
+            for li, lw in enumerate(self._layers):
+                h = rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt)
+                qkv = xp.matmul(h, lw.wqkv)  # [N, (Hq + 2 Hkv) D]
+                q = xp.ascontiguousarray(qkv[:, : hq * d]).reshape(n, hq, d)
+                k = xp.ascontiguousarray(qkv[:, hq * d: (hq + hkv) * d]).reshape(n, hkv, d)
+                v = xp.ascontiguousarray(qkv[:, (hq + hkv) * d:]).reshape(n, hkv, d)
+                if fused:
+                    attn = cache.rope_write_attend(li, q, k, v, cos, sin, c.rope_layout)
+                else:
+                    q = apply_rope(q, cos, sin, c.rope_layout, runtime=rt)
+                    k = apply_rope(k, cos, sin, c.rope_layout, runtime=rt)
+                    cache.write(li, k, v)
+                    attn = cache.attend(li, q)  # [N, Hq, D]
+                x = x + xp.matmul(attn.reshape(n, hq * d), lw.wo)
+                h = rms_norm(x, lw.mlp_norm, c.rms_eps, runtime=rt)
+                x = x + xp.matmul(swiglu(xp.matmul(h, lw.w_gate_up), runtime=rt), lw.w_down)
+            if not all_logits:
+                last = rt.asarray(np.cumsum([t.size for t in toks]) - 1)
+                x = x[last]
+            logits = xp.matmul(rms_norm(x, self.final_norm, c.rms_eps, runtime=rt), self.lm_head.T)
+        assert logits.dtype == np.float32, logits.dtype  # no silent float64 promotion
+        return logits
+
+    def logits(self, ids: Sequence[int]):
+        """Uncached logits of every position of one sequence: [T, V] (GPU ``NoCache``)."""
+        cache = NoCache(**self.new_cache_args(), runtime=self.rt)
+        return self.forward([ids], cache, all_logits=True)
+
+
+def from_cpu(model: _cpu.Model, *, runtime=None, cache_dtype=np.float32, fused: bool = False) -> Model:
+    """The GPU twin of a NumPy ``minikv.model.Model`` (same config and weights)."""
+    if not isinstance(model, _cpu.Model):
+        raise ConfigError(f"from_cpu takes a minikv.model.Model, got {type(model).__name__}")
+    return Model(model.config, model.weights, runtime=runtime, cache_dtype=cache_dtype, fused=fused)
+
+
+def random_model(*args, runtime=None, cache_dtype=np.float32, fused: bool = False, **kwargs) -> Model:
+    """``minikv.model.random_model`` (same arguments, same weights for the same seed) on the GPU."""
+    kwargs.setdefault("dtype", np.float32)
+    return from_cpu(_cpu.random_model(*args, **kwargs), runtime=runtime, cache_dtype=cache_dtype, fused=fused)
