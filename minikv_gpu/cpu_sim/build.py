@@ -36,7 +36,7 @@ from .signature import EXTERN_SHARED_MARK, KERNEL_MARK, KernelDecl, Param, find_
 SIM_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SIM_DIR / "include"
 DYN_SHARED_CAPACITY = 227 * 1024  # H100/H200 opt-in maximum of shared memory per block
-_FORMAT_VERSION = "2"  # bump when the generated wrapper changes shape
+_FORMAT_VERSION = "3"  # bump when the generated wrapper changes shape
 
 
 @dataclass(frozen=True)
@@ -163,13 +163,20 @@ def rewrite_extern_shared(source: str) -> str:
     return re.sub(r"\bextern\s+__shared__\b", f"extern {EXTERN_SHARED_MARK}", source)
 
 
-def _generate_wrapper(kernels: list[KernelDecl], extern_shared: list[tuple[str, str]]) -> str:
+def _generate_wrapper(kernels: list[KernelDecl], extern_shared: list[tuple[str, str]], asan: bool) -> str:
     cap = DYN_SHARED_CAPACITY
     lines = ["", '#line 1 "<minikv_sim generated wrapper>"',
-             "// Dynamic shared memory: every `extern __shared__` array aliases this one buffer, as on a GPU.",
-             f"alignas(128) char minikv_dyn_smem[{cap}];"]
-    for ctype, name in extern_shared:
-        lines.append(f'extern {ctype} {name}[{cap} / sizeof({ctype})] __attribute__((alias("minikv_dyn_smem")));')
+             "// Dynamic shared memory. On a GPU every `extern __shared__` array starts at the same address:",
+             "// the first one is the buffer, the others alias it. (ASan would put a redzone after each alias,",
+             "// on top of whatever follows, so ASan builds give each name a buffer of its own.)"]
+    for i, (ctype, name) in enumerate(extern_shared):
+        if i == 0 or asan:
+            lines.append(f"alignas(128) {ctype} {name}[{cap} / sizeof({ctype})];")
+        else:
+            first = extern_shared[0][1]
+            lines.append(f'extern {ctype} {name}[{cap} / sizeof({ctype})] __attribute__((alias("{first}")));')
+    buffers = [name for i, (_, name) in enumerate(extern_shared) if i == 0 or asan]
+    lines.append("char* const minikv_dyn_buffers[] = {" + "".join(f"(char*){n}, " for n in buffers) + "nullptr};")
     lines.append("namespace {")
     for i, k in enumerate(kernels):
         lines.append(f"void minikv_entry_{i}(void** args) {{ minikv_sim::invoke(&{k.name}, args); }}")
@@ -192,8 +199,8 @@ def _generate_wrapper(kernels: list[KernelDecl], extern_shared: list[tuple[str, 
               "}",
               "MINIKV_EXPORT int minikv_sim_launch(int i, void** args, const unsigned* grid, const unsigned* block,",
               "                                    unsigned long shared_mem, char* err, unsigned long err_len) {",
-              "    return minikv_sim::launch(minikv_kernels[i].entry, args, grid, block, minikv_dyn_smem, shared_mem,",
-              "                              sizeof minikv_dyn_smem, err, err_len);",
+              "    return minikv_sim::launch(minikv_kernels[i].entry, args, grid, block, minikv_dyn_buffers,",
+              f"                              {len(buffers)}, shared_mem, {cap}, err, err_len);",
               "}", ""]
     return "\n".join(lines)
 
@@ -235,7 +242,7 @@ def build(source: str, filename: str, defines: dict | None = None, source_dir: P
     if not kernels:
         raise KernelCompileError(f"{filename} defines no __global__ kernel")
     wrapper = f'#line 1 "{filename}"\n' + rewrite_extern_shared(source) + "\n"
-    wrapper += _generate_wrapper(kernels, find_extern_shared(scanned))
+    wrapper += _generate_wrapper(kernels, find_extern_shared(scanned), opts.asan)
     cpp_path = cache_dir() / f"{key}.cpp"  # kept next to the .so, for the curious
     _atomic_write(cpp_path, lambda tmp: tmp.write_text(wrapper))
     cmd = [cxx, *flags, "-fno-weak",  # one TU: no COMDAT, so static __shared__ in inline functions can share a section

@@ -55,16 +55,18 @@ const char* const kTimeoutMessage =
     "a value that only another thread would change (the simulator cannot preempt it), or the launch is "
     "too large for the simulator";
 
+#ifdef MINIKV_USE_UCONTEXT
+struct Context { ucontext_t uc; };
+#else
+struct Context { void* sp; };  // the rest lies on the fiber's own stack (switch_x86_64.S)
+#endif
+
 struct Fiber {
     ThreadRegs regs;
     State state;
     char* stack_lo;  // usable stack [stack_lo, stack_lo + stack_size); the guard lies below
     size_t stack_size;
-#ifdef MINIKV_USE_UCONTEXT
-    ucontext_t ctx;
-#else
-    void* sp;  // saved stack pointer while switched out
-#endif
+    Context ctx;  // saved registers while switched out
 #ifdef MINIKV_ASAN
     void* fake_stack;
 #endif
@@ -77,7 +79,19 @@ struct Fiber {
     uint64_t result;
 };
 
+// Lanes of one warp that wait in a collective with the same mask. Lanes with another mask form
+// another group (divergent code may split a warp into several).
+struct WarpGroup {
+    unsigned mask;
+    unsigned arrived;  // lanes of the mask that wait so far
+};
+struct WarpState {
+    WarpGroup groups[32];
+    int n_groups;
+};
+
 std::vector<Fiber> g_fibers;   // one per thread of the block
+std::vector<WarpState> g_warps;
 std::vector<char*> g_stacks;   // mmap'ed stacks, reused by every block and launch
 size_t g_stack_size;
 std::vector<int> g_ring;       // READY fibers, FIFO
@@ -88,14 +102,10 @@ unsigned long g_spins;
 void (*g_entry)(void**);
 void** g_args;
 
-#ifdef MINIKV_USE_UCONTEXT
-ucontext_t g_sched_ctx;
-#else
-void* g_sched_sp;
-#endif
+Context g_sched_ctx;  // the scheduler, on the launching thread's own stack
 #ifdef MINIKV_ASAN
 void* g_sched_fake_stack;
-const void* g_main_stack_bottom;
+const void* g_main_stack_bottom;  // that stack, for ASan's fiber annotations
 size_t g_main_stack_size;
 bool g_stacks_dirty;  // an abandoned fiber left ASan poison on its stack
 #endif
@@ -175,55 +185,55 @@ char* map_stack(size_t size) {
 void fiber_main(Fiber* f);
 
 #ifdef MINIKV_USE_UCONTEXT
-Fiber* g_starting;
-void ucontext_entry() { fiber_main(g_starting); }
+void ucontext_entry() { fiber_main(g_running); }
 void prepare(Fiber* f) {
-    getcontext(&f->ctx);
-    f->ctx.uc_stack.ss_sp = f->stack_lo;
-    f->ctx.uc_stack.ss_size = f->stack_size;
-    f->ctx.uc_link = nullptr;
-    makecontext(&f->ctx, ucontext_entry, 0);
+    getcontext(&f->ctx.uc);
+    f->ctx.uc.uc_stack.ss_sp = f->stack_lo;
+    f->ctx.uc.uc_stack.ss_size = f->stack_size;
+    f->ctx.uc.uc_link = nullptr;
+    makecontext(&f->ctx.uc, ucontext_entry, 0);
 }
-void switch_in(Fiber* f) {
-    g_starting = f;
-    swapcontext(&g_sched_ctx, &f->ctx);
-}
-void switch_out(Fiber* f) { swapcontext(&f->ctx, &g_sched_ctx); }
+void context_switch(Context* save, Context* load) { swapcontext(&save->uc, &load->uc); }
 #else
 extern "C" void minikv_switch(void** save_sp, void* load_sp);
 extern "C" void minikv_fiber_start();
 // Builds the frame that minikv_switch pops on the first switch to f (see switch_x86_64.S).
 void prepare(Fiber* f) {
     const uintptr_t top = (uintptr_t)(f->stack_lo + f->stack_size) & ~(uintptr_t)15;
-    uint64_t* frame = (uint64_t*)(top - 64);
-    uint32_t mxcsr;
-    uint16_t fpu_cw;
-    __asm__ volatile("stmxcsr %0" : "=m"(mxcsr));
-    __asm__ volatile("fnstcw %0" : "=m"(fpu_cw));
-    frame[0] = mxcsr | ((uint64_t)fpu_cw << 32);
-    frame[1] = 0;                        // r15
-    frame[2] = 0;                        // r14
-    frame[3] = (uint64_t)&fiber_main;    // r13: the function minikv_fiber_start calls
-    frame[4] = (uint64_t)f;              // r12: its argument
-    frame[5] = 0;                        // rbx
-    frame[6] = 0;                        // rbp
-    frame[7] = (uint64_t)&minikv_fiber_start;
-    f->sp = frame;
+    uint64_t* frame = (uint64_t*)(top - 56);
+    frame[0] = 0;                        // r15
+    frame[1] = 0;                        // r14
+    frame[2] = (uint64_t)&fiber_main;    // r13: the function minikv_fiber_start calls
+    frame[3] = (uint64_t)f;              // r12: its argument
+    frame[4] = 0;                        // rbx
+    frame[5] = 0;                        // rbp
+    frame[6] = (uint64_t)&minikv_fiber_start;
+    f->ctx.sp = frame;
 }
-void switch_in(Fiber* f) { minikv_switch(&g_sched_sp, f->sp); }
-void switch_out(Fiber* f) { minikv_switch(&f->sp, g_sched_sp); }
+void context_switch(Context* save, Context* load) { minikv_switch(&save->sp, load->sp); }
 #endif
 
-// Scheduler -> fiber f, until f waits, yields, exits or faults.
-void resume(Fiber* f) {
+void make_running(Fiber* f) {
     g_running = f;
     g_regs = &f->regs;
     f->state = RUNNING;
+}
+
+Fiber* pop_ready() {
+    Fiber* f = &g_fibers[g_ring[g_ring_head]];
+    g_ring_head = (g_ring_head + 1) % g_n_threads;
+    --g_ring_count;
+    return f;
+}
+
+// Scheduler -> fiber f. Returns when no fiber is READY any more (or a fault stopped the block).
+void resume(Fiber* f) {
+    make_running(f);
     g_in_fiber = 1;
 #ifdef MINIKV_ASAN
     __sanitizer_start_switch_fiber(&g_sched_fake_stack, f->stack_lo, f->stack_size);
 #endif
-    switch_in(f);
+    context_switch(&g_sched_ctx, &f->ctx);
 #ifdef MINIKV_ASAN
     __sanitizer_finish_switch_fiber(g_sched_fake_stack, nullptr, nullptr);
 #endif
@@ -231,27 +241,36 @@ void resume(Fiber* f) {
     g_running = nullptr;
 }
 
-// Running fiber -> scheduler. With finished, the fiber is never resumed.
+// The running fiber stops (it waits, yields, exits or faulted): switch straight to the next
+// READY fiber, or back to the scheduler when there is none. With finished, it never resumes.
 void suspend(bool finished) {
     Fiber* f = g_running;
+    Fiber* next = g_ring_count && !g_error ? pop_ready() : nullptr;
 #ifdef MINIKV_ASAN
-    __sanitizer_start_switch_fiber(finished ? nullptr : &f->fake_stack, g_main_stack_bottom, g_main_stack_size);
+    __sanitizer_start_switch_fiber(finished ? nullptr : &f->fake_stack, next ? next->stack_lo : g_main_stack_bottom,
+                                   next ? next->stack_size : g_main_stack_size);
 #else
     (void)finished;
 #endif
-    switch_out(f);
+    if (next) {
+        make_running(next);
+        context_switch(&f->ctx, &next->ctx);
+    } else {
+        context_switch(&f->ctx, &g_sched_ctx);
+    }
 #ifdef MINIKV_ASAN
-    __sanitizer_finish_switch_fiber(f->fake_stack, &g_main_stack_bottom, &g_main_stack_size);
+    __sanitizer_finish_switch_fiber(f->fake_stack, nullptr, nullptr);
 #endif
 }
 
 void fiber_main(Fiber* f) {
 #ifdef MINIKV_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, &g_main_stack_bottom, &g_main_stack_size);
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
     g_entry(g_args);
     f->state = EXITED;
     ++g_n_exited;
+    g_spins = 0;
     suspend(true);
     __builtin_unreachable();
 }
@@ -365,13 +384,17 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
     const unsigned members = mask & (n_lanes == 32 ? ~0u : (1u << n_lanes) - 1u);
     Fiber* lanes = &g_fibers[base];
     // The collective completes when every lane named in the mask waits with the same mask.
-    // Lanes that wait with another mask belong to another (divergent) group: legal CUDA.
-    for (unsigned l = 0; l < 32; ++l) {
-        if ((members >> l & 1u) && (lanes[l].state != AT_WARP || lanes[l].mask != mask)) {
-            suspend(false);  // a later lane completes the group and wakes us
-            return me->result;
-        }
+    WarpState& ws = g_warps[me->regs.warp];
+    int g = 0;
+    while (g < ws.n_groups && ws.groups[g].mask != mask) ++g;
+    if (g == ws.n_groups) ws.groups[ws.n_groups++] = WarpGroup{mask, 0u};
+    ws.groups[g].arrived |= 1u << lane;
+    g_spins = 0;
+    if ((ws.groups[g].arrived & members) != members) {
+        suspend(false);  // a later lane completes the group and wakes us
+        return me->result;
     }
+    ws.groups[g] = ws.groups[--ws.n_groups];  // the group is complete: forget it
     for (unsigned l = 0; l < 32; ++l) {
         const Fiber& o = lanes[l];
         if ((members >> l & 1u) && (o.op != op || (is_shuffle(op) && o.width != width)))
@@ -393,6 +416,7 @@ int barrier(BarrierOp op, int predicate, Site site) {
     me->op = op;
     me->value = (uint64_t)predicate;
     me->site = site;
+    g_spins = 0;
     suspend(false);  // the scheduler releases the barrier once every thread waits here
     return (int)me->result;
 }
@@ -406,6 +430,9 @@ unsigned active_mask() {
 }
 
 void yield() {
+    if (++g_spins > kMaxSpins)
+        fail(DEADLOCK, "threads spin (atomicCAS fails again and again, or __nanosleep) while no other thread "
+             "can move: a spin lock whose holder waits at a barrier?");
     make_ready(g_running);
     suspend(false);
 }
@@ -502,6 +529,7 @@ void run_block() {
     g_n_exited = 0;
     g_ring_head = g_ring_count = 0;
     g_spins = 0;
+    for (WarpState& w : g_warps) w.n_groups = 0;
     for (unsigned i = 0; i < g_n_threads; ++i) {
         Fiber& f = g_fibers[i];
         f.regs.thread_idx = uint3{i % b.x, (i / b.x) % b.y, i / (b.x * b.y)};
@@ -513,22 +541,11 @@ void run_block() {
         make_ready(&f);
     }
     for (;;) {
-        while (g_ring_count) {
-            Fiber* f = &g_fibers[g_ring[g_ring_head]];
-            g_ring_head = (g_ring_head + 1) % g_n_threads;
-            --g_ring_count;
-            resume(f);
-            if (g_error) return;
-            if (g_timeout_hit) {  // the watchdog fired between two fibers
-                set_error(DEADLOCK, "%s", kTimeoutMessage);
-                return;
-            }
-            if (f->state != READY) g_spins = 0;
-            else if (++g_spins > kMaxSpins) {
-                set_error(DEADLOCK, "threads spin (atomicCAS fails again and again, or __nanosleep) while "
-                          "no other thread can move: a spin lock whose holder waits at a barrier?");
-                return;
-            }
+        if (g_ring_count) resume(pop_ready());  // the fibers hand over to each other until none is READY
+        if (g_error) return;
+        if (g_timeout_hit) {  // the watchdog fired while the scheduler ran
+            set_error(DEADLOCK, "%s", kTimeoutMessage);
+            return;
         }
         if (g_n_exited == g_n_threads) return;
         settle();
@@ -635,6 +652,7 @@ bool ensure_fibers(unsigned n) {
     }
     if (g_fibers.size() < n) g_fibers.resize(n);
     if (g_ring.size() < n) g_ring.resize(n);
+    if (g_warps.size() < (n + 31) / 32) g_warps.resize((n + 31) / 32);
     for (unsigned i = 0; i < n; ++i) {
         g_fibers[i].stack_lo = g_stacks[i];
         g_fibers[i].stack_size = size;
@@ -650,10 +668,11 @@ bool ensure_fibers(unsigned n) {
 
 }  // namespace
 
-// Runs entry(args) for every thread of every block. dyn_smem is the buffer that `extern
-// __shared__` arrays alias (dyn_capacity bytes, of which the launch asked for dyn_bytes).
+// Runs entry(args) for every thread of every block. dyn_buffers are the buffers of the
+// `extern __shared__` arrays (dyn_capacity bytes each, of which the launch asked for dyn_bytes).
 int launch(void (*entry)(void**), void** args, const unsigned grid[3], const unsigned block[3],
-           char* dyn_smem, size_t dyn_bytes, size_t dyn_capacity, char* err, size_t err_len) {
+           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity, char* err,
+           size_t err_len) {
     g_error = OK;
     g_msg[0] = 0;
     g_timeout_hit = 0;
@@ -672,9 +691,16 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
         return g_error;
     }
 #ifdef MINIKV_ASAN
+    pthread_attr_t attr;  // where the scheduler's stack is, for the fiber switch annotations
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+        void* addr;
+        pthread_attr_getstack(&attr, &addr, &g_main_stack_size);
+        g_main_stack_bottom = addr;
+        pthread_attr_destroy(&attr);
+    }
     // Bytes past the requested dynamic shared memory are out of bounds.
-    const size_t dyn_ok = (dyn_bytes + 7) & ~(size_t)7;
-    if (dyn_ok < dyn_capacity) ASAN_POISON_MEMORY_REGION(dyn_smem + dyn_ok, dyn_capacity - dyn_ok);
+    for (int i = 0; i < n_dyn_buffers && dyn_bytes < dyn_capacity; ++i)
+        ASAN_POISON_MEMORY_REGION(dyn_buffers[i] + dyn_bytes, dyn_capacity - dyn_bytes);
     install_signals(false);  // ASan reports SIGSEGV itself, with a better message
 #else
     install_signals(true);
@@ -686,7 +712,7 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
                     g_block_idx = uint3{x, y, z};
                     // Shared memory starts out as garbage on a GPU; here it is all 0xff bytes.
                     if (static_shared_bytes()) memset(__start_minikv_shared, 0xff, static_shared_bytes());
-                    memset(dyn_smem, 0xff, dyn_bytes);
+                    for (int i = 0; i < n_dyn_buffers; ++i) memset(dyn_buffers[i], 0xff, dyn_bytes);
                     run_block();
                 }
     } else {  // a signal inside a fiber; the handler set g_error and g_msg
@@ -695,7 +721,7 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
     }
     uninstall_signals();
 #ifdef MINIKV_ASAN
-    ASAN_UNPOISON_MEMORY_REGION(dyn_smem, dyn_capacity);
+    for (int i = 0; i < n_dyn_buffers; ++i) ASAN_UNPOISON_MEMORY_REGION(dyn_buffers[i], dyn_capacity);
 #endif
     g_regs = nullptr;
     fflush(stdout);  // kernel printf output, before Python prints anything else

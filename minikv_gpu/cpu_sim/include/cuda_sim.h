@@ -139,7 +139,8 @@ void yield() MINIKV_HIDDEN;
 [[noreturn]] void trap(const char* what, Site site) MINIKV_HIDDEN;
 // Entry points for the generated launch wrapper (see build.py).
 int launch(void (*entry)(void**), void** args, const unsigned grid[3], const unsigned block[3],
-           char* dyn_smem, size_t dyn_bytes, size_t dyn_capacity, char* err, size_t err_len) MINIKV_HIDDEN;
+           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity, char* err,
+           size_t err_len) MINIKV_HIDDEN;
 size_t static_shared_bytes() MINIKV_HIDDEN;
 
 template <class T>
