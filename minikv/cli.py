@@ -197,41 +197,6 @@ def _run_memory(args) -> int:
     return 0
 
 
-# --- bench ---------------------------------------------------------------------------------
-
-def _bench_batching(args) -> int:
-    from minikv.machine import describe, machine_info
-    from minikv.scheduler import Workload, batching_benchmark, format_benchmark
-
-    res = batching_benchmark(Workload(num_requests=args.requests, seed=args.seed),
-                             kv_budget_bytes=int(args.kv_budget_mib * 2**20), block_size=args.block_size,
-                             preemption=args.preemption)
-    print(format_benchmark(res))
-    print(describe(machine_info()))
-    if args.json:
-        _print_json(res)
-    return 0
-
-
-BENCHES = {"batching": _bench_batching}  # name -> run(args); add a benchmark by adding an entry
-
-
-@subcommand
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory)",
-                       description="batching: continuous batching of a synthetic workload (lognormal lengths, "
-                                   "shared system prompt) on a tiny random model, paged vs a contiguous "
-                                   "cache reserving max length, at the same KV budget in bytes.")
-    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
-    p.add_argument("--requests", type=int, default=160, help="requests in the workload (default 160)")
-    p.add_argument("--kv-budget-mib", type=float, default=4.0, help="KV memory budget in MiB (default 4)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    p.add_argument("--seed", type=int, default=0, help="workload and model seed")
-    p.add_argument("--json", action="store_true", help="print one JSON line last (paged, contiguous, ratios)")
-    p.set_defaults(func=lambda args: BENCHES[args.name](args))
-
-
 # --- compare -------------------------------------------------------------------------------
 
 @subcommand
