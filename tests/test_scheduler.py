@@ -218,3 +218,17 @@ def test_batching_benchmark_small():
     assert res["concurrency_ratio"] > 1
     assert res["contiguous"]["preemptions"] == 0 and res["contiguous"]["prefix_hit_rate"] == 0
     assert "concurrency ratio" in format_benchmark(res)
+
+
+def test_cli_bench_batching_prints_one_json_line_last(capsys):
+    import json
+
+    from minikv.cli import main
+
+    assert main(["bench", "batching", "--requests", "3", "--kv-budget-mib", "1", "--json"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    res = json.loads(last)
+    assert {"paged", "contiguous", "concurrency_ratio"} <= set(res)
+    assert {"utilization", "max_concurrency", "preemptions", "prefix_hit_rate",
+            "throughput_tokens_per_s"} <= set(res["paged"])
+    assert res["requests_lost"] == 0
