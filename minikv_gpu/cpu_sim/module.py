@@ -80,9 +80,6 @@ class SimKernel:
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         grid3, block3, shared_mem = check_launch_config(grid, block, shared_mem)
-        if self.module.static_shared + shared_mem > DYN_SHARED_CAPACITY:
-            raise KernelLaunchError(f"{self.name}: {self.module.static_shared} bytes of static plus {shared_mem} of "
-                                    f"dynamic shared memory exceed {DYN_SHARED_CAPACITY}")
         check_args(self.name, self.params, args, array_type=np.ndarray, data_ptr=lambda a: a.ctypes.data,
                    strict=True)
         argv = (ctypes.c_void_p * max(len(args), 1))()
@@ -117,7 +114,7 @@ class SimModule:
         lib.minikv_sim_kernel_params.argtypes = [ctypes.c_int, ctypes.POINTER(_ParamInfo), ctypes.c_int]
         lib.minikv_sim_static_shared_bytes.restype = ctypes.c_ulong
         self.lib = lib
-        self.static_shared = int(lib.minikv_sim_static_shared_bytes())
+        self.static_shared = int(lib.minikv_sim_static_shared_bytes())  # all kernels' static __shared__ bytes
         self._kernels: dict[str, SimKernel] = {}
         for i, decl in enumerate(kernels):
             if lib.minikv_sim_kernel_name(i).decode() != decl.name:
