@@ -72,6 +72,7 @@ FULL_CASES = [
     AttnCase("llama8b B1 S32768", 1, 32768, 32, 8, 128, "float16"),
     AttnCase("mqa8 B16 S8192", 16, 8192, 8, 1, 128, "float16"),
 ]
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
 SMOKE_CASES = [
     AttnCase("smoke gqa3", 2, 70, 6, 2, 64, "float16"),
     AttnCase("smoke gqa8", 1, 40, 8, 1, 128, "float32"),
@@ -253,6 +254,12 @@ def time_decode_attention(rt, case: AttnCase, timer: Timer, copy_gbs: float, rng
         t = timer.median_ms(fns)
         gbs = case.min_bytes() / (t["median_ms"] * 1e-3) / 1e9
         row[name] = {**t, "rel_err": err, "gb_per_s": gbs, "of_copy": gbs / copy_gbs}
+    # the split count's effect, to tune minikv_gpu.kv_cache.BLOCKS_PER_SM (automatic choice above)
+    row["split_sweep_ms"] = {}
+    for n in SPLIT_SWEEP:
+        fns = [c.prepare_attend(0, qd, num_splits=n) for c in caches]
+        if fns[0].splits == n:  # requests beyond one split per tile are clamped: skip duplicates
+            row["split_sweep_ms"][n] = timer.median_ms(fns)["median_ms"]
     row["torch_sdpa"] = _time_torch_sdpa(rt, caches, q, case, timer, copy_gbs)
     for c in caches:
         c.abort_step()
@@ -449,6 +456,15 @@ def format_markdown(report: dict) -> str:
                      f"{r['v1']['gb_per_s']:.0f} | {100 * r['v1']['of_copy']:.0f} | "
                      f"{r['v1 unsplit']['median_ms'] * 1e3:.1f} | {r['v2 fused']['median_ms'] * 1e3:.1f} | "
                      f"{r['v2 fused']['gb_per_s']:.0f} | {sdpa_us} | {sdpa_gbs} |")
+    sweeps = [r for r in report.get("attention", []) if r.get("split_sweep_ms")]
+    if sweeps:
+        lines += ["", "split sweep (decode_attention_v1 median us by number of key ranges):", "",
+                  "| case | cache | " + " | ".join(str(n) for n in SPLIT_SWEEP) + " |",
+                  "|---|---|" + "---|" * len(SPLIT_SWEEP)]
+        for r in sweeps:
+            ms = {int(k): v for k, v in r["split_sweep_ms"].items()}  # JSON turns the keys into strings
+            cells = ["-" if n not in ms else f"{ms[n] * 1e3:.1f}" for n in SPLIT_SWEEP]
+            lines.append(f"| {r['case']} | {r['cache_dtype']} | " + " | ".join(cells) + " |")
     errs = [f"- {r['case']}: SDPA {r['torch_sdpa']['error']}" for r in report.get("attention", [])
             if "error" in r.get("torch_sdpa", {})]
     if errs:

@@ -14,10 +14,18 @@ Define sets: a source declares them in a comment line, for example
 which means the cartesian product (4 builds here). A source without such a
 line is compiled once, with its own defaults. Dynamic shared memory is chosen
 at launch and does not appear in ptxas's report.
+
+NVRTC. On a GPU, CuPy compiles the same sources with NVRTC, which has no host
+headers: ``INFINITY`` or ``FLT_MAX`` from <math.h> compile with nvcc and fail
+there. When libnvrtc is found (``$MINIKV_NVRTC_LIB``, the ``nvidia-cuda-nvrtc``
+pip package, or the CUDA toolkit's lib64), every source and define set is also
+compiled with NVRTC under CuPy's options, so such a failure shows up before a
+GPU is lent (``pip install nvidia-cuda-nvrtc==13.0.*`` provides it, 200 MB).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -117,6 +125,68 @@ def build_report(nvcc: str, sources: list[Path] | None = None, archs=ARCHS) -> l
     return sorted(rows, key=lambda r: (r["file"], r["defines"], r["arch"], r["kernel"]))
 
 
+def find_nvrtc() -> str | None:
+    """Path of libnvrtc.so: $MINIKV_NVRTC_LIB, the nvidia-cuda-nvrtc wheel on sys.path, or the toolkit."""
+    if os.environ.get("MINIKV_NVRTC_LIB"):
+        return os.environ["MINIKV_NVRTC_LIB"]
+    dirs = [Path(p) / "nvidia" / sub / "lib" for p in sys.path if p for sub in ("cu13", "cuda_nvrtc", "cu12")]
+    dirs += [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "lib64", Path("/usr/local/cuda/lib64")]
+    for d in dirs:
+        found = sorted(d.glob("libnvrtc.so*")) if d.is_dir() else []
+        if found:
+            return str(found[0])
+    return None
+
+
+def _cuda_include() -> Path:
+    """The toolkit's include folder (cuda_fp16.h, math_constants.h), searched as minikv_gpu.runtime does."""
+    nvcc = find_nvcc()
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda",
+             str(Path(nvcc).resolve().parents[1]) if nvcc else None]
+    for root in filter(None, roots):
+        if (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return Path(root) / "include"
+    raise RuntimeError("no CUDA include folder with cuda_fp16.h found; set CUDA_PATH")
+
+
+def nvrtc_compile(lib_path: str, source: Path, arch: str, defines: dict) -> tuple[bool, str]:
+    """Compile like cupy.RawModule does (-std=c++17, the CUDA include dir); return (ok, compiler log)."""
+    lib_dir = Path(lib_path).parent
+    for builtins in sorted(lib_dir.glob("libnvrtc-builtins.so*")):  # must be loadable by name
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        break
+    lib = ctypes.CDLL(lib_path)
+    include = _cuda_include()
+    opts = ["-std=c++17", f"-I{include}", f"-I{source.parent}", f"--gpu-architecture=compute_{arch[3:]}",
+            *(f"-D{k}={v}" for k, v in defines.items())]
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None):
+        raise RuntimeError(f"nvrtcCreateProgram failed for {source}")
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return status == 0, log.value.decode(errors="replace").strip()
+
+
+def nvrtc_report(lib_path: str, sources: list[Path] | None = None, archs=ARCHS) -> list[dict]:
+    """NVRTC compile status of every (source, define set, arch)."""
+    sources = sorted(KERNELS.glob("*.cu")) if sources is None else sources
+    rows = []
+    for src in sources:
+        for defines in define_sets(src):
+            for arch in archs:
+                ok, log = nvrtc_compile(lib_path, src, arch, defines)
+                rows.append({"file": src.name, "defines": " ".join(f"{k}={v}" for k, v in defines.items()),
+                             "arch": arch, "ok": ok, "log": log})
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of the report."""
     head = "| file | defines | arch | kernel | regs | smem B | stack B | spill st B | spill ld B |"
@@ -137,11 +207,19 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from minikv.machine import machine_info, write_result
 
+    lib = find_nvrtc()
+    nvrtc = nvrtc_report(lib) if lib else []
+    nvrtc_rows = [{k: r[k] for k in ("file", "defines", "arch", "ok")} for r in nvrtc]
     write_result(RESULT, {"nvcc": nvcc_version(nvcc), "archs": list(ARCHS), "machine": machine_info(),
-                          "kernels": rows})
+                          "kernels": rows, "nvrtc": nvrtc_rows})
     spills = [r for r in rows if r["spill_store_bytes"] or r["spill_load_bytes"]]
-    print(f"\n{len(rows)} kernel builds, {len(spills)} with spills; wrote {RESULT.relative_to(ROOT)}")
-    return 1 if spills else 0
+    failed = [r for r in nvrtc if not r["ok"]]
+    for r in failed:
+        print(f"NVRTC failed: {r['file']} {r['defines']} {r['arch']}\n{r['log']}")
+    print(f"\n{len(rows)} kernel builds, {len(spills)} with spills; NVRTC: "
+          f"{f'{len(nvrtc) - len(failed)}/{len(nvrtc)} compile' if lib else 'libnvrtc not found, not checked'}; "
+          f"wrote {RESULT.relative_to(ROOT)}")
+    return 1 if spills or failed else 0
 
 
 if __name__ == "__main__":

@@ -26,10 +26,13 @@ from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import KVCacheBase, Step
 from minikv_gpu.attention import causal_attention, device_f32, get_runtime, head_dim_defines
 
-__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT"]
+__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
 
 KEY_TILE = 32             # keys per tile in kv_cache.cu; split boundaries are multiples of it
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its parallelism
+BLOCKS_PER_SM = 4         # automatic splits aim for this many blocks per multiprocessor (a block is only
+#                           G warps, so one per SM leaves too few loads in flight to stream from HBM);
+#                           a first guess: benchmarks/gpu_check.py sweeps the split count to tune it
 STATIC_SMEM_LIMIT = 48 * 1024
 
 
@@ -83,9 +86,10 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     ``attend`` and the fused ``rope_write_attend``.
 
     ``num_splits`` (``None`` = automatic) sets how many ranges a sequence's
-    history is split into for attention. Automatic aims for two blocks per
-    multiprocessor and at least ``MIN_KEYS_PER_SPLIT`` keys per range; on the
-    simulator (one "multiprocessor") that means no split.
+    history is split into for attention. Automatic aims for ``BLOCKS_PER_SM``
+    blocks per multiprocessor and at least ``MIN_KEYS_PER_SPLIT`` keys per
+    range; the simulator counts as one multiprocessor, so there only launches
+    of fewer than ``BLOCKS_PER_SM`` blocks over long histories split.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
@@ -208,7 +212,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         max_keys = self._dev["max_keys"]
         want = requested if requested is not None else self.num_splits
         if want is None:
-            target = 2 * _multiprocessors(self.rt)
+            target = BLOCKS_PER_SM * _multiprocessors(self.rt)
             want = min(-(-target // n_blocks), -(-max_keys // MIN_KEYS_PER_SPLIT))
         want = max(1, min(int(want), -(-max_keys // KEY_TILE)))  # never an empty split on the longest sequence
         per = -(-max_keys // want)

@@ -12,6 +12,8 @@
 //
 // nvcc-check: HEAD_DIM=64,128
 
+#include <math_constants.h>  // CUDART_INF_F: NVRTC (CuPy) has no <math.h>, so no INFINITY
+
 #ifndef HEAD_DIM
 #define HEAD_DIM 64  // compile-time so that per-lane accumulators live in registers
 #endif
@@ -39,7 +41,7 @@ __device__ float block_reduce(float v, float* scratch, bool is_max) {
     v = is_max ? warp_max(v) : warp_sum(v);
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    float r = is_max ? -INFINITY : 0.0f;
+    float r = is_max ? -CUDART_INF_F : 0.0f;
     for (int w = 0; w < n_warps; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
     __syncthreads();  // scratch may be reused by the next call
     return r;
@@ -66,7 +68,7 @@ extern "C" __global__ void causal_softmax_v1(const float* x, float* out, int n_r
     const float* xr = x + (long long)row * S;
     float* outr = out + (long long)row * S;
 
-    float m = -INFINITY;
+    float m = -CUDART_INF_F;
     for (int j = threadIdx.x; j < limit; j += blockDim.x) m = fmaxf(m, xr[j]);
     m = block_reduce(m, scratch, true);
     if (!isfinite(m)) m = 0.0f;  // fully masked row: avoid inf - inf
@@ -121,7 +123,7 @@ extern "C" __global__ void causal_attention_v2(const float* __restrict__ q, cons
 
     for (int d = lane; d < HEAD_DIM; d += 32) q_s[warp][d] = row_ok ? q[q_row + d] : 0.0f;
 
-    float m = -INFINITY, l = 0.0f;
+    float m = -CUDART_INF_F, l = 0.0f;
     float acc[DIMS_PER_LANE];
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] = 0.0f;
@@ -143,7 +145,7 @@ extern "C" __global__ void causal_attention_v2(const float* __restrict__ q, cons
         __syncthreads();
 
         const int key = k0 + lane;
-        float score = -INFINITY;
+        float score = -CUDART_INF_F;
         if (row_ok && key < row_limit) {
             float dot = 0.0f;
 #pragma unroll 8
@@ -151,7 +153,7 @@ extern "C" __global__ void causal_attention_v2(const float* __restrict__ q, cons
             score = dot * scale;
         }
         const float m_new = fmaxf(m, warp_max(score));
-        if (m_new == -INFINITY) continue;  // nothing visible yet for this row (warp-uniform)
+        if (m_new == -CUDART_INF_F) continue;  // nothing visible yet for this row (warp-uniform)
         const float p = expf(score - m_new);     // 0 for masked keys
         const float alpha = expf(m - m_new);     // 0 on the first visible tile (m = -inf)
         l = l * alpha + warp_sum(p);

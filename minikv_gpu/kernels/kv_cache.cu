@@ -23,6 +23,7 @@
 // nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
 
 #include <cuda_fp16.h>
+#include <math_constants.h>  // CUDART_INF_F: NVRTC (CuPy) has no <math.h>, so no INFINITY
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -145,7 +146,7 @@ __device__ __forceinline__ void attend_range(const cache_t* k_cache, const cache
         __syncthreads();
 
         const int key = k0 + lane;
-        float score = -INFINITY;
+        float score = -CUDART_INF_F;
         if (key < k_end) {
             float dot = 0.0f;
 #pragma unroll 8
@@ -235,7 +236,7 @@ extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, cons
     const long long q_base = ((long long)n * n_heads + (long long)h * group) * HEAD_DIM;
     for (int i = threadIdx.x; i < group * HEAD_DIM; i += blockDim.x) q_s[i] = q[q_base + i];
 
-    float m = -INFINITY, l = 0.0f, acc[DIMS_PER_LANE];
+    float m = -CUDART_INF_F, l = 0.0f, acc[DIMS_PER_LANE];
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] = 0.0f;
     const long long head_base = cache_offset(layer, slot[n], h, 0, max_seqs, n_kv_heads, max_len);
@@ -323,7 +324,7 @@ extern "C" __global__ void decode_attention_v2(const float* __restrict__ q_raw, 
     // (attend_range starts with __syncthreads(): it orders both writes above before any read)
 
     // 3. attention over positions [k_begin, k_end), the new one included
-    float m = -INFINITY, l = 0.0f, acc[DIMS_PER_LANE];
+    float m = -CUDART_INF_F, l = 0.0f, acc[DIMS_PER_LANE];
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] = 0.0f;
     attend_range(k_cache, v_cache, head_base, k_begin, k_end, q_s, k_s, v_s, scale, m, l, acc);
@@ -347,7 +348,7 @@ extern "C" __global__ void decode_attention_combine_v1(const float* __restrict__
     if (d >= HEAD_DIM) return;
     const int used = min(n_splits, (pos[n] + keys_per_split) / keys_per_split);
     const long long p0 = ((long long)n * n_heads + head) * n_splits;
-    float m = -INFINITY;
+    float m = -CUDART_INF_F;
     for (int z = 0; z < used; ++z) m = fmaxf(m, part_ml[2 * (p0 + z)]);
     float num = 0.0f, den = 0.0f;
     for (int z = 0; z < used; ++z) {

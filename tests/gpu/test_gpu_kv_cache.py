@@ -82,6 +82,14 @@ class Twin:
         assert got.dtype == np.float32 and got.shape == q.shape
         return StepOut(got, outs[0], outs[1], q)
 
+    def fill(self, seq_ids, num_new, layer=1):
+        """Write random history without attending (full-size tests: a 4096-token NumPy prefill is slow)."""
+        k = self.rng.standard_normal((int(sum(num_new)), self.hkv, self.d)).astype(np.float32)
+        v = self.rng.standard_normal(k.shape).astype(np.float32)
+        for c in (self.cpu, self.exact, self.gpu):
+            with c.step(seq_ids, num_new):
+                c.write(layer, *((k, v) if c is not self.gpu else (self.rt.asarray(k), self.rt.asarray(v))))
+
     def histories(self, layer=1):
         """Every (sequence, KV head) history of the exact cache: lists of [S, D] keys and values."""
         ks, vs = [], []
@@ -126,6 +134,23 @@ def test_prefill_then_decode_matches_numpy(rt, heads, dtype):
         for s in steps:
             err = float(np.max(np.abs(s.got - s.exact)))
             assert err <= fp16_bound(s.q, ks, vs) + RTOL * float(np.max(np.abs(s.exact)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (8, 1, 128)], ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
+def test_full_size_decode(cupy_rt, heads, dtype):
+    """GPU only: 8 sequences of 1..4097 cached tokens, automatic splits, three decode steps."""
+    hq, hkv, d = heads
+    tw = Twin(cupy_rt, hq, hkv, d, max_seqs=8, max_len=4100, dtype=dtype)
+    lens = [4097, 1, 31, 33, 1000, 2048, 4000, 257]
+    for sid in range(8):
+        tw.add(sid)
+    tw.fill(range(8), lens)
+    for _ in range(3):
+        s = tw.step(range(8), [1] * 8)
+        assert rel_err(s.got, s.want) <= RTOL
+    tw.assert_storage_equal()
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])

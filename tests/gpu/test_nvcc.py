@@ -25,14 +25,18 @@ def _load_report_module():
 report = _load_report_module()
 
 
+def found_or_skip(path, env_var: str, what: str):
+    """``path``, or skip saying how to get ``what`` (a failure where ``env_var=1``, as CI sets for nvcc)."""
+    if path is None:
+        if os.environ.get(env_var) == "1":
+            pytest.fail(f"{env_var}=1 but {what} was not found")
+        pytest.skip(f"{what} not found (set {env_var}=1 to make this a failure)")
+    return path
+
+
 @pytest.fixture(scope="module")
 def nvcc():
-    path = report.find_nvcc()
-    if path is None:
-        if os.environ.get("MINIKV_REQUIRE_NVCC") == "1":
-            pytest.fail("MINIKV_REQUIRE_NVCC=1 but nvcc is not on PATH nor in /usr/local/cuda/bin")
-        pytest.skip("nvcc not found (set MINIKV_REQUIRE_NVCC=1 to make this a failure)")
-    return path
+    return found_or_skip(report.find_nvcc(), "MINIKV_REQUIRE_NVCC", "nvcc (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,15 @@ def test_no_stack_frame_in_attention_kernels(rows):
     attn = [r for r in rows if "attention" in r["kernel"]]
     assert attn
     assert all(r["stack_bytes"] == 0 for r in attn), report.format_table([r for r in attn if r["stack_bytes"]])
+
+
+def test_every_source_compiles_with_nvrtc():
+    """CuPy compiles with NVRTC, which lacks host headers (no INFINITY from <math.h>): nvcc alone misses that."""
+    lib = found_or_skip(report.find_nvrtc(), "MINIKV_REQUIRE_NVRTC",
+                        "libnvrtc (pip install nvidia-cuda-nvrtc==13.0.*, or set MINIKV_NVRTC_LIB)")
+    rows = report.nvrtc_report(lib)
+    failed = [f"{r['file']} {r['defines']} {r['arch']}:\n{r['log']}" for r in rows if not r["ok"]]
+    assert rows and not failed, "\n".join(failed)
 
 
 def test_parser_reads_ptxas_output():
