@@ -107,7 +107,7 @@ extern "C" __global__ void causal_attention_v2(const float* __restrict__ q, cons
                                                float scale) {
     __shared__ float q_s[ROWS_PER_BLOCK][HEAD_DIM];
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // +1: conflict-free column reads
-    __shared__ float v_s[KEY_TILE][HEAD_DIM];
+    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int head = blockIdx.y, b = blockIdx.z;

@@ -224,7 +224,7 @@ extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, cons
                                                int max_seqs, int max_len, int keys_per_split, int n_splits,
                                                float scale) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // +1 float per row: lane j reads row j bank-free
-    __shared__ float v_s[KEY_TILE][HEAD_DIM];
+    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     extern __shared__ float q_s[];                  // [G][D]
 
     const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
@@ -277,7 +277,7 @@ extern "C" __global__ void decode_attention_v2(const float* __restrict__ q_raw, 
                                                int max_seqs, int max_len, int keys_per_split, int n_splits,
                                                float scale) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];
-    __shared__ float v_s[KEY_TILE][HEAD_DIM];
+    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     extern __shared__ float q_s[];  // [G][D]
 
     const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
