@@ -67,11 +67,11 @@ def _run_generate(args) -> int:
     prompt_ids = _encode_prompt(tok, args.prompt, args.chat)
     sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    printer = tok.decode_stream(skip_special_tokens=True)
+    printer = tok.stream_decoder(skip_special_tokens=True)
     if not args.chat:
         print(args.prompt, end="", flush=True)
     res = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
-                   block_size=args.block_size, on_token=lambda t: print(printer.step(t), end="", flush=True))
+                   block_size=args.block_size, on_token=lambda t: print(printer.push(t), end="", flush=True))
     print(printer.flush())
     print(f"[{args.cache} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
           f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
@@ -108,9 +108,9 @@ def _run_demo(args) -> int:
     for cache in ("none", "contiguous"):
         label = "without KV cache (recompute everything)" if cache == "none" else "with contiguous KV cache"
         print(f"--- {label}")
-        printer = tok.decode_stream(skip_special_tokens=True)
+        printer = tok.stream_decoder(skip_special_tokens=True)
         res = generate(model, prompt_ids, args.max_new_tokens, cache=cache, sampling=GREEDY,
-                       on_token=lambda t, pr=printer: print(pr.step(t), end="", flush=True))
+                       on_token=lambda t, pr=printer: print(pr.push(t), end="", flush=True))
         print(printer.flush())
         total = res.prefill_s + res.decode_s
         print(f"    {len(res.token_ids)} tokens in {total:.2f} s: prefill {res.prefill_s:.3f} s, "
