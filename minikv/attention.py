@@ -35,7 +35,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     clamped away from 0. Neither clamp can touch a normal row, whose max is
     finite and whose sum is at least exp(0) = 1.
     """
-    m = np.maximum(np.max(x, axis=axis, keepdims=True), np.finfo(x.dtype).min)
+    m = np.maximum(np.max(x, axis=axis, keepdims=True, initial=-np.inf), np.finfo(x.dtype).min)  # initial: S=0 ok
     e = x - m
     np.exp(e, out=e)
     e /= np.maximum(np.sum(e, axis=axis, keepdims=True), np.finfo(x.dtype).tiny)

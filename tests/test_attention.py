@@ -31,6 +31,12 @@ def test_softmax_is_stable_and_normalized():
     assert p.dtype == np.float32
 
 
+def test_softmax_of_no_keys_is_empty():
+    assert softmax(np.zeros((3, 0), dtype=np.float32)).shape == (3, 0)
+    q = np.zeros((2, 0, 4), np.float32)  # zero queries over zero keys: an empty result, not an error
+    assert causal_attention(q, q[:1], q[:1]).shape == (2, 0, 4)
+
+
 def test_softmax_fully_masked_row_gives_zeros_not_nan():
     p = softmax(np.array([[-np.inf, -np.inf], [0.0, -np.inf]]))
     np.testing.assert_array_equal(p, [[0.0, 0.0], [1.0, 0.0]])
