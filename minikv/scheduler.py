@@ -304,18 +304,18 @@ class Scheduler:
         while not preempted and self.swapped and len(self.running) < self.max_num_seqs:
             s = self.swapped[0]
             sid = s.request.id
-            # its blocks, plus a new one if its next token starts a block
-            held = len(cache.host_block_table(sid))
-            if held + (cache.length(sid) % cache.block_size == 0) + (self.watermark_blocks if self.running else 0) \
-                    > free or budget < 1:
+            # its blocks come back, plus whatever its pending tokens (a decode, or a prefill chunk) need
+            n = min(s.pending, budget)
+            need = num_blocks_for(cache.length(sid) + n, cache.block_size)
+            if n < 1 or need + (self.watermark_blocks if self.running else 0) > free:
                 break
             self.swapped.popleft()
             cache.swap_in(sid)
             self.stats.swap_ins += 1
             s.state = "running"
             bisect.insort(self.running, s, key=lambda x: x.arrival)
-            free -= held + cache.blocks_needed([sid], [s.pending])
-            budget -= s.pending
+            free -= need
+            budget -= n
 
         # then new (or recompute-preempted) requests, strictly in arrival order
         while not preempted and not self.swapped and self.waiting and budget >= 1 \
@@ -342,8 +342,13 @@ class Scheduler:
             free -= cost
             budget -= min(s.pending, budget)
 
-        # 3. one forward pass over everything scheduled
+        # 3. one forward pass over everything scheduled. The final plan orders decodes first, so
+        # it can hand tokens out differently from the estimates above; if it no longer fits, the
+        # newest sequences give way, exactly as in phase 1.
         seqs, nums = self._plan()
+        while self._blocks_for(seqs, nums) > cache.num_free_blocks:
+            self._preempt(self.running.pop())
+            seqs, nums = self._plan()
         if not seqs:
             if self.has_work():
                 raise RuntimeError("scheduler made no progress although requests remain; this is a bug")

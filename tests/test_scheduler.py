@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minikv.errors import CacheFullError, ConfigError, InvalidInputError
@@ -160,7 +160,8 @@ def test_contiguous_policy_reserves_max_len():
     assert paged.stats.max_concurrency > 3 and paged.stats.utilization > s.stats.utilization
 
 
-@settings(max_examples=12, deadline=None, database=None)
+@settings(max_examples=40, deadline=None, database=None)
+@example(seed=193099081, num_blocks=7, preemption="swap", max_step_tokens=8, max_num_seqs=4)  # swap-in mid-chunk
 @given(seed=st.integers(0, 2**31), num_blocks=st.integers(6, 16), preemption=st.sampled_from(["recompute", "swap"]),
        max_step_tokens=st.sampled_from([None, 3, 8]), max_num_seqs=st.integers(1, 6))
 def test_any_pressure_any_policy_same_tokens(seed, num_blocks, preemption, max_step_tokens, max_num_seqs):
