@@ -58,7 +58,11 @@ def cache_dir() -> Path:
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minikv"
     path = base / "cpu_sim"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BackendUnavailableError(f"cannot create the simulator's cache folder {path} ({exc}); "
+                                      "point MINIKV_CACHE_DIR at a writable folder") from exc
     return path
 
 

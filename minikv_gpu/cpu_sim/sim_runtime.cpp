@@ -600,7 +600,7 @@ void on_signal(int sig, siginfo_t* info, void*) {
     siglongjmp(g_escape, 1);
 }
 
-void install_signals(bool faults_too) {
+void install_signals() {
     static char* altstack = nullptr;
     const size_t alt_size = 256 * 1024;
     if (!altstack) altstack = (char*)mmap(nullptr, alt_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -612,10 +612,7 @@ void install_signals(bool faults_too) {
     sa.sa_sigaction = on_signal;
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
-    for (int i = 0; i < kNumSignals; ++i) {
-        if (!faults_too && kSignals[i] != SIGVTALRM) continue;
-        g_installed[i] = sigaction(kSignals[i], &sa, &g_old_actions[i]) == 0;
-    }
+    for (int i = 0; i < kNumSignals; ++i) g_installed[i] = sigaction(kSignals[i], &sa, &g_old_actions[i]) == 0;
     const char* env = getenv("MINIKV_SIM_TIMEOUT");
     const double timeout_s = env ? atof(env) : 60.0;
     struct itimerval t = {};
@@ -702,10 +699,8 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
     // Bytes past the requested dynamic shared memory are out of bounds.
     for (int i = 0; i < n_dyn_buffers && dyn_bytes < dyn_capacity; ++i)
         ASAN_POISON_MEMORY_REGION(dyn_buffers[i] + dyn_bytes, dyn_capacity - dyn_bytes);
-    install_signals(false);  // ASan reports SIGSEGV itself, with a better message
-#else
-    install_signals(true);
 #endif
+    install_signals();
     if (sigsetjmp(g_escape, 1) == 0) {
         for (unsigned z = 0; z < grid[2] && !g_error; ++z)
             for (unsigned y = 0; y < grid[1] && !g_error; ++y)

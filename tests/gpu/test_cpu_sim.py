@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = r"""
 #include <cuda_fp16.h>
 
-extern "C" __global__ void block_sum(const float* x, float* out, int n) {
+extern "C" __global__ void __launch_bounds__(256) block_sum(const float* x, float* out, int n) {
     __shared__ float s[256];
     const int t = threadIdx.x;
     float v = 0.0f;
@@ -48,13 +48,14 @@ extern "C" __global__ void block_sum(const float* x, float* out, int n) {
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-extern "C" __global__ void warp_sums(const float* x, float* out) {
+extern "C" __global__ void warp_sums(const float* __restrict__ x, float* __restrict__ out) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    out[i] = warp_sum(x[i]);
+    out[i] = warp_sum(__ldg(&x[i]));
 }
 
 // mode 0..3: __shfl_sync, __shfl_up_sync, __shfl_down_sync, __shfl_xor_sync
@@ -510,6 +511,8 @@ def test_spin_lock_with_atomic_cas_makes_progress(sim_rt):
 
 
 def test_shared_memory_starts_as_nan_bytes(sim_rt):
+    if cpu_sim.BuildOptions.from_env().asan:
+        pytest.skip("ASan builds guard static __shared__ arrays with redzones instead (see cpu_sim/README.md)")
     out = np.zeros(32, np.float32)
     sim_k(sim_rt, "uninitialized_shared")((1,), (32,), (out,))
     assert np.isnan(out).all()
@@ -787,9 +790,33 @@ def test_asan_run_of_the_simulator_tests():
     """The kernel tests above, compiled with -fsanitize=address: no report, same results."""
     selected = ("(block_reduction or warp_reduction or divergent_half or votes or atomics or dynamic_shared or "
                 "missing_syncthreads or three_d or half_conversions or vector_types or spin_lock or barrier_after or "
-                "shuffle_from_an_exited or arguments_are_checked) and not asan")
+                "shuffle_from_an_exited or stack_overflow or wild_pointer or arguments_are_checked) "
+                "and not asan")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected],
                           env=_asan_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "AddressSanitizer" not in proc.stderr
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 16 and "failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_signature_parser_reads_raw_source():
+    """What CuPy's argument checks use where no g++ is around to preprocess the source."""
+    src = textwrap.dedent("""
+        typedef float real;
+        // extern "C" __global__ void commented_out(int* x) {}
+        extern "C" __global__ void __launch_bounds__(256, 2)
+        k1(const real* __restrict__ a, float4* b, unsigned n, long long m, const __half2* h, int arr[],
+           unsigned char* bytes, volatile int* flag, float** table) {}
+        extern "C" __global__ void k2() {}
+        extern "C" __global__ void k3(void);
+        extern "C" __global__ void k3(void) {}
+    """)
+    decls = {d.name: d.params for d in find_kernels(src)}
+    assert list(decls) == ["k1", "k2", "k3"] and decls["k2"] == () and decls["k3"] == ()
+    got = [(p.name, p.pointer, p.const, p.dtype, p.lanes) for p in decls["k1"]]
+    assert got == [("a", True, True, "float32", 1), ("b", True, False, "float32", 4), ("n", False, False, "uint32", 1),
+                   ("m", False, False, "int64", 1), ("h", True, True, "float16", 2), ("arr", True, False, "int32", 1),
+                   ("bytes", True, False, "uint8", 1), ("flag", True, False, "int32", 1),
+                   ("table", True, False, None, 1)]
+    assert decls["k1"][0].ctype == "const real*"
