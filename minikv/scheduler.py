@@ -129,7 +129,7 @@ class SchedulerStats:
     reservation_waste_steps: int = 0  # reserved for tokens not generated yet (contiguous only)
     external_waste_steps: int = 0  # free slots too scattered to hold one more sequence
     budget_slot_steps: int = 0     # the whole budget, summed over steps
-    wall_s: float = 0.0
+    wall_s: float = 0.0            # time spent in step() (scheduling + forward passes)
 
     @property
     def preemptions(self) -> int:
@@ -288,6 +288,7 @@ class Scheduler:
 
     def step(self) -> list:
         """Schedule and run one forward pass. Returns the ids of requests that finished in it."""
+        t0 = time.perf_counter()
         cache = self.cache
         preempted = False
         # 1. the running sequences must fit; otherwise preempt the newest ones
@@ -353,7 +354,6 @@ class Scheduler:
             if self.has_work():
                 raise RuntimeError("scheduler made no progress although requests remain; this is a bug")
             return []
-        t0 = time.perf_counter()
         ids = [s.request.id for s in seqs]
         toks = [s.tokens[s.num_computed:s.num_computed + n] for s, n in zip(seqs, nums, strict=True)]
         logits = self.model.forward(toks, cache, ids)  # [B, V]: each sequence's last fed token
