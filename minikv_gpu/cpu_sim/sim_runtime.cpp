@@ -603,7 +603,8 @@ void on_signal(int sig, siginfo_t* info, void*) {
 void install_signals() {
     static char* altstack = nullptr;
     const size_t alt_size = 256 * 1024;
-    if (!altstack) altstack = (char*)mmap(nullptr, alt_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (!altstack)
+        altstack = (char*)mmap(nullptr, alt_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     stack_t ss = {};
     ss.ss_sp = altstack;
     ss.ss_size = alt_size;
