@@ -26,8 +26,10 @@ def _gpu_reason() -> str:
     return ""
 
 
-def _backends() -> list[str]:
-    return ["sim"] if _gpu_reason() else ["sim", "cupy"]
+def _backends() -> list:
+    # The CuPy instances carry the ``gpu`` marker, so ``pytest -m gpu`` on a GPU machine selects
+    # every kernel test on the real device (plus the cupy_rt full-size tests) and nothing else.
+    return ["sim"] if _gpu_reason() else ["sim", pytest.param("cupy", marks=pytest.mark.gpu)]
 
 
 def pytest_runtest_setup(item):
