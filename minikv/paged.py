@@ -52,6 +52,10 @@ position, or after a different prefix, has different K/V (RoPE and attention
 mix in the prefix). By induction along the chain, a hit means the whole prefix
 is token-for-token identical, whatever ``hash_fn`` does.
 
+A block becomes shareable when the step that fills it commits, so requests
+admitted in the same step as the first one carrying a prefix compute that
+prefix themselves (the batching benchmark's hit rate shows the effect).
+
 Freed full blocks keep their contents and hash in an LRU list. They count as
 free, but until a new allocation evicts them (least recently freed first) a
 later prefix hit revives them.
@@ -335,6 +339,64 @@ def default_blocks_per_tile(block_size: int, tile_tokens: int = 128) -> int:
     return max(1, tile_tokens // int(block_size))
 
 
+def query_positions(context_lens: np.ndarray, query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every packed query: the sequence it belongs to and its position, both int64 [N].
+
+    Sequence b owns ``query_lens[b]`` consecutive rows; its t-th query sits at
+    ``context_lens[b] - query_lens[b] + t`` (the new tokens are the last ones).
+    """
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_of = np.repeat(np.arange(query_lens.size), query_lens)
+    first = np.repeat(np.cumsum(query_lens) - query_lens, query_lens)  # each query's sequence's first row
+    pos = np.repeat(context_lens - query_lens, query_lens) + np.arange(seq_of.size) - first
+    return seq_of, pos
+
+
+def check_paged_attention_args(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
+                                blocks_per_tile=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Validate ``paged_attention``'s arguments; raise ShapeError/ConfigError/InvalidInputError.
+
+    Only the shapes of ``q`` and the pools are read (so device arrays pass too); the index
+    arrays are read on the host. Returns ``(block_tables, context_lens [B] int64,
+    query_lens [B] int64, blocks_per_tile)`` with the defaults filled in.
+    """
+    if q.ndim != 3 or k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
+        raise ShapeError(f"q.shape={q.shape}, k_pool.shape={k_pool.shape}, v_pool.shape={v_pool.shape}; "
+                         "expected q [N, Hq, D] and pools [num_blocks, block_size, Hkv, D]")
+    n, hq, d = q.shape
+    num_blocks, bs, hkv, dk = k_pool.shape
+    if dk != d:
+        raise ShapeError(f"head_dim differs: q has {d}, the pool {dk}")
+    if hq % hkv:
+        raise ConfigError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    tile = default_blocks_per_tile(bs) if blocks_per_tile is None else blocks_per_tile
+    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
+        raise ConfigError(f"blocks_per_tile={blocks_per_tile!r} must be a positive integer")
+    context_lens = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    bsz = context_lens.size
+    query_lens = np.ones(bsz, np.int64) if query_lens is None else np.asarray(query_lens, np.int64).ravel()
+    block_tables = np.asarray(block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != bsz or query_lens.size != bsz:
+        raise ShapeError(f"block_tables.shape={block_tables.shape}, {query_lens.size} query_lens and "
+                         f"{bsz} context_lens; expected [B, max_blocks], [B], [B]")
+    if int(query_lens.sum()) != n or np.any(query_lens < 1) or np.any(query_lens > context_lens):
+        raise InvalidInputError(f"query_lens={query_lens.tolist()} with context_lens={context_lens.tolist()} "
+                                f"and N={n} queries: each sequence needs 1 <= query_len <= context_len, "
+                                "summing to N")
+    need = -(-context_lens // bs)
+    width = block_tables.shape[1]
+    if np.any(need > width):
+        raise ShapeError(f"block_tables has {width} columns but a context of "
+                         f"{int(context_lens.max())} tokens needs {int(need.max())} blocks of {bs}")
+    in_use = np.arange(width)[None, :] < need[:, None]
+    used = block_tables[in_use]
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise InvalidInputError(f"block table entry {int(used.min() if used.min() < 0 else used.max())} is "
+                                f"outside the pool [0, {num_blocks})")
+    return block_tables, context_lens, query_lens, tile
+
+
 def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, query_lens: np.ndarray | None = None,
                     blocks_per_tile: int | None = None) -> np.ndarray:
@@ -372,39 +434,14 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     it before (possibly NaN). Masking the scores is not enough, because the
     probability there is 0 and 0 * NaN = NaN; the V rows are selected away too.
     """
-    if q.ndim != 3 or k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
-        raise ShapeError(f"q.shape={q.shape}, k_pool.shape={k_pool.shape}, v_pool.shape={v_pool.shape}; "
-                         "expected q [N, Hq, D] and pools [num_blocks, block_size, Hkv, D]")
+    block_tables, context_lens, query_lens, tile = check_paged_attention_args(
+        q, k_pool, v_pool, block_tables, context_lens, query_lens, blocks_per_tile)
     n, hq, d = q.shape
-    num_blocks, bs, hkv, dk = k_pool.shape
-    if dk != d:
-        raise ShapeError(f"head_dim differs: q has {d}, the pool {dk}")
-    if hq % hkv:
-        raise ConfigError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    tile = default_blocks_per_tile(bs) if blocks_per_tile is None else blocks_per_tile
-    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
-        raise ConfigError(f"blocks_per_tile={blocks_per_tile!r} must be a positive integer")
-    context_lens = np.asarray(context_lens, dtype=np.int64).reshape(-1)
     bsz = context_lens.size
-    query_lens = np.ones(bsz, np.int64) if query_lens is None else np.asarray(query_lens, np.int64).ravel()
-    block_tables = np.asarray(block_tables)
-    if block_tables.ndim != 2 or block_tables.shape[0] != bsz or query_lens.size != bsz:
-        raise ShapeError(f"block_tables.shape={block_tables.shape}, {query_lens.size} query_lens and "
-                         f"{bsz} context_lens; expected [B, max_blocks], [B], [B]")
-    if int(query_lens.sum()) != n or np.any(query_lens < 1) or np.any(query_lens > context_lens):
-        raise InvalidInputError(f"query_lens={query_lens.tolist()} with context_lens={context_lens.tolist()} "
-                                f"and N={n} queries: each sequence needs 1 <= query_len <= context_len, "
-                                "summing to N")
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
     need = -(-context_lens // bs)
     width = block_tables.shape[1]
-    if np.any(need > width):
-        raise ShapeError(f"block_tables has {width} columns but a context of "
-                         f"{int(context_lens.max())} tokens needs {int(need.max())} blocks of {bs}")
     in_use = np.arange(width)[None, :] < need[:, None]
-    used = block_tables[in_use]
-    if used.size and (used.min() < 0 or used.max() >= num_blocks):
-        raise InvalidInputError(f"block table entry {int(used.min() if used.min() < 0 else used.max())} is "
-                                f"outside the pool [0, {num_blocks})")
     # Unused entries may hold anything (-1 padding...): point them at block 0, whose slots the mask drops.
     # Pad the columns to whole tiles the same way.
     width_tiles = -(-width // tile) * tile
@@ -414,9 +451,7 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     dt = q.dtype
     g = hq // hkv
     scale = dt.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
-    seq_of = np.repeat(np.arange(bsz), query_lens)                          # [N] sequence of each query
-    first = np.repeat(np.cumsum(query_lens) - query_lens, query_lens)       # [N] its first packed row
-    pos = np.repeat(context_lens - query_lens, query_lens) + np.arange(n) - first
+    seq_of, pos = query_positions(context_lens, query_lens)                 # [N] sequence, position
     visible = pos + 1                                                        # [N] keys 0..pos
     tables = safe[seq_of]                                                    # [N, width_tiles]
 
@@ -520,17 +555,15 @@ class PagedKVCache(KVCacheBase):
         if blocks_per_tile is not None:
             _positive_int("blocks_per_tile", blocks_per_tile)
         self.blocks_per_tile = blocks_per_tile
-        shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_pool = np.zeros(shape, dtype=self.dtype)
-        self.v_pool = np.zeros(shape, dtype=self.dtype)
+        self.k_pool = self._new_pool(self.num_blocks, host=False)
+        self.v_pool = self._new_pool(self.num_blocks, host=False)
         # the swap target: its own allocator (no prefix cache) and pools; a GPU build keeps them in host RAM
         self.host_allocator = None
         if self.num_host_blocks:
             self.host_allocator = BlockAllocator(self.num_host_blocks, self.block_size,
                                                  enable_prefix_caching=False)
-        hshape = (self.num_layers, self.num_host_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.host_k_pool = np.zeros(hshape, dtype=self.dtype)
-        self.host_v_pool = np.zeros(hshape, dtype=self.dtype)
+        self.host_k_pool = self._new_pool(self.num_host_blocks, host=True)
+        self.host_v_pool = self._new_pool(self.num_host_blocks, host=True)
         self._seqs: dict = {}
         self._pending: list = []
         self._slots: np.ndarray | None = None
@@ -545,6 +578,33 @@ class PagedKVCache(KVCacheBase):
     @property
     def enable_prefix_caching(self) -> bool:
         return self.allocator.enable_prefix_caching
+
+    # -- storage hooks: the only places outside write/attend that touch K/V numbers ---------
+    # The bookkeeping below never reads the pools; a device cache (minikv_gpu.paged) overrides
+    # these four methods (and write/attend) and inherits everything else.
+    def _new_pool(self, num_blocks: int, host: bool):
+        """A zeroed pool ``[L, num_blocks, block_size, Hkv, D]`` (``host``: the swap target)."""
+        shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return np.zeros(shape, dtype=self.dtype)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block ``src`` -> ``dst`` for every (src, dst) pair, all layers, K and V.
+
+        No block is both a source and a destination (a destination is freshly allocated).
+        """
+        src, dst = (np.asarray(ids, dtype=np.int64) for ids in zip(*pairs))
+        self.k_pool[:, dst] = self.k_pool[:, src]
+        self.v_pool[:, dst] = self.v_pool[:, src]
+
+    def _swap_out_blocks(self, dev: list[int], host: list[int]) -> None:
+        """Copy device blocks ``dev[i]`` to host blocks ``host[i]`` (all layers, K and V)."""
+        self.host_k_pool[:, host] = self.k_pool[:, dev]
+        self.host_v_pool[:, host] = self.v_pool[:, dev]
+
+    def _swap_in_blocks(self, host: list[int], dev: list[int]) -> None:
+        """Copy host blocks ``host[i]`` to device blocks ``dev[i]`` (all layers, K and V)."""
+        self.k_pool[:, dev] = self.host_k_pool[:, host]
+        self.v_pool[:, dev] = self.host_v_pool[:, host]
 
     @property
     def num_free_blocks(self) -> int:
@@ -690,9 +750,7 @@ class PagedKVCache(KVCacheBase):
             raise OutOfBlocksError(f"cannot swap out {seq_id!r}: this cache has no host pool; "
                                    "build it with num_host_blocks > 0 or preempt by recompute")
         host = self.host_allocator.allocate_many(len(s.block_table))
-        dev = np.asarray(s.block_table, dtype=np.int64)
-        self.host_k_pool[:, host] = self.k_pool[:, dev]
-        self.host_v_pool[:, host] = self.v_pool[:, dev]
+        self._swap_out_blocks(list(s.block_table), host)
         for bid in reversed(s.block_table):
             self.allocator.decref(bid)
         s.block_table, s.host_table, s.num_registered = [], host, 0
@@ -705,9 +763,7 @@ class PagedKVCache(KVCacheBase):
         if s.host_table is None:
             raise InvalidInputError(f"sequence {seq_id!r} is not swapped out")
         dev = self.allocator.allocate_many(len(s.host_table))
-        host = np.asarray(s.host_table, dtype=np.int64)
-        self.k_pool[:, dev] = self.host_k_pool[:, host]
-        self.v_pool[:, dev] = self.host_v_pool[:, host]
+        self._swap_in_blocks(list(s.host_table), dev)
         for bid in reversed(s.host_table):
             self.host_allocator.decref(bid)
         s.block_table, s.host_table = dev, None
@@ -742,7 +798,7 @@ class PagedKVCache(KVCacheBase):
             raise OutOfBlocksError(
                 f"this step needs {total} new blocks but only {self.allocator.num_free} of {self.num_blocks} "
                 "are free; preempt a sequence (free_sequence or swap_out) and retry, or add blocks")
-        bs, pending = self.block_size, []
+        bs, pending, copies = self.block_size, [], []
         for sid, (n, cow), past in zip(step.seq_ids, needs, step.past, strict=True):
             s = self._seqs[sid]
             copied = None
@@ -750,8 +806,7 @@ class PagedKVCache(KVCacheBase):
                 idx = int(past) // bs
                 old = s.block_table[idx]
                 new = self.allocator.allocate()
-                self.k_pool[:, new] = self.k_pool[:, old]  # all layers: the step writes every layer
-                self.v_pool[:, new] = self.v_pool[:, old]
+                copies.append((old, new))  # copied below, all layers at once: the step writes every layer
                 self.allocator.decref(old)
                 s.block_table[idx] = new
                 copied = (idx, old, new)
@@ -759,6 +814,8 @@ class PagedKVCache(KVCacheBase):
             fresh = [self.allocator.allocate() for _ in range(n)]
             s.block_table.extend(fresh)
             pending.append(_Reservation(sid, fresh, copied))
+        if copies:  # `old` stays held by its other owners, so no source is reused as a destination
+            self._copy_blocks(copies)
         self._pending = pending
         tables = [self._seqs[sid].block_table for sid in step.seq_ids]
         self._slots = np.concatenate([slot_mapping(t, np.arange(p, p + n), bs)
