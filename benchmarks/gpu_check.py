@@ -9,11 +9,16 @@ Stages (each one's failure is recorded and the next still runs):
 2. tests: ``pytest -m gpu tests/gpu``: the simulator's kernel tests on CuPy, plus full sizes
    (if pytest is missing, the stage says so; stages 3 and 4 still check every kernel against NumPy);
 3. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``;
-   the 98 MB GGUF does not travel): float32 cache, float16 cache + fused kernel, no cache;
+   the 98 MB GGUF does not travel): float32 cache, float16 cache + fused kernel, no cache,
+   float32 paged cache (blocks of 16);
 4. decode attention timing (METHOD.md): CUDA events around batches of launches, warm-up, median
    of repeats, inputs rotated over enough copies that each launch reads beyond the L2 cache.
    Achieved GB/s (K and V read once, q read and out written once) against a measured
-   device-to-device copy (bytes read + written) and against torch SDPA on the same cache arrays.
+   device-to-device copy (bytes read + written) and against torch SDPA on the same cache arrays;
+5. paged decode attention (step 3), same method and cases: the same history copied into a
+   ``minikv_gpu.paged.PagedKVCache`` (blocks of ``PAGED_BLOCK_SIZE``), v1 and v2 (split-K) and
+   the automatic choice, checked against the contiguous kernel's output, side by side with it
+   and with torch SDPA on the history gathered back out of the blocks.
 
 Writes ``OUTDIR/gpu_check.json`` and ``OUTDIR/gpu_check.md`` and prints the Markdown last.
 Exit status: 0 when every check passed, 1 when one failed, 2 when no GPU is usable.
@@ -261,9 +266,86 @@ def time_decode_attention(rt, case: AttnCase, timer: Timer, copy_gbs: float, rng
         if fns[0].splits == n:  # requests beyond one split per tile are clamped: skip duplicates
             row["split_sweep_ms"][n] = timer.median_ms(fns)["median_ms"]
     row["torch_sdpa"] = _time_torch_sdpa(rt, caches, q, case, timer, copy_gbs)
+    try:
+        row["paged"] = time_paged_decode_attention(rt, case, caches, qd, kd, vd, timer, copy_gbs)
+    except Exception as e:  # recorded in the row; main() turns it into a failure
+        row["paged"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     for c in caches:
         c.abort_step()
     return row
+
+
+# --- paged decode attention (step 3) ----------------------------------------------------------------
+
+PAGED_BLOCK_SIZE = 16
+
+
+class _GatheredCache:
+    """What ``_time_torch_sdpa`` reads from a cache: ``k, v: [1, B, Hkv, S, D]`` and ``prepare_attend``
+    (here: the history gathered out of a paged cache, and the paged kernel's launch to compare with)."""
+
+    def __init__(self, k, v, launch):
+        self.k, self.v, self._launch = k[None], v[None], launch
+
+    def prepare_attend(self, layer, q):
+        return self._launch
+
+
+def _paged_copy(rt, case: AttnCase, contiguous, kd, vd):
+    """A one-layer paged cache holding ``contiguous``'s history (blocks handed out in order), with the
+    decode step open and the new token written; and the history gathered back as [B, Hkv, S+1, D]."""
+    from minikv_gpu.paged import PagedKVCache, num_blocks_for, slot_mapping
+
+    b, hkv, d, s = case.batch, case.num_kv_heads, case.head_dim, case.context
+    bs = PAGED_BLOCK_SIZE
+    cache = PagedKVCache(1, hkv, d, b * num_blocks_for(s + 1, bs), bs, dtype=np.dtype(case.dtype), runtime=rt,
+                         enable_prefix_caching=False)
+    for i in range(b):
+        cache.add_sequence(i)
+
+    def rows(a):  # the contiguous layer [B, Hkv, S, D] -> packed float32 rows [B*S, Hkv, D] (exact from float16)
+        packed = rt.xp.ascontiguousarray(a[0, :, :, :s].transpose(0, 2, 1, 3)).reshape(b * s, hkv, d)
+        return packed.astype(np.float32)
+
+    with cache.step(range(b), [s] * b):
+        cache.write(0, rows(contiguous.k), rows(contiguous.v))
+    cache.begin_step(range(b), [1] * b)
+    cache.write(0, kd, vd)
+    slots = rt.asarray(np.concatenate([slot_mapping(cache.block_table(i), np.arange(s + 1), bs) for i in range(b)]))
+
+    def gather(pool):  # back out of the blocks: [B, Hkv, S+1, D]
+        flat = pool[0].reshape(-1, hkv, d)[slots]
+        return rt.xp.ascontiguousarray(flat.reshape(b, s + 1, hkv, d).transpose(0, 2, 1, 3))
+
+    return cache, gather(cache.k_pool), gather(cache.v_pool)
+
+
+def time_paged_decode_attention(rt, case: AttnCase, caches, qd, kd, vd, timer: Timer, copy_gbs: float) -> dict:
+    """Time paged_decode_attention v1, v2 and the automatic choice on ``caches``' histories copied into
+    paged caches; each must equal the contiguous decode kernel's output (<= ATTN_RTOL relative)."""
+    want = rt.asnumpy(caches[0].prepare_attend(0, qd, num_splits=1)())
+    copies = [_paged_copy(rt, case, c, kd, vd) for c in caches]
+    paged = [c for c, _, _ in copies]
+    res = {"block_size": PAGED_BLOCK_SIZE}
+    for name, version in (("v1", 1), ("v2", 2), ("auto", None)):
+        fns = [c.prepare_attend(0, qd, version=version) for c in paged]
+        got = rt.asnumpy(fns[0]())
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        if not err <= ATTN_RTOL[np.dtype(case.dtype).type]:
+            raise AssertionError(f"{case.name} paged {name}: relative error {err:.2e} against the contiguous kernel")
+        entry = {"version": fns[0].version, "partitions": fns[0].partitions, "rel_err": err}
+        if name == "auto":  # the same launch as v1 or v2: reuse its timing
+            entry["median_ms"] = res[f"v{fns[0].version}"]["median_ms"]
+        else:
+            t = timer.median_ms(fns)
+            gbs = case.min_bytes() / (t["median_ms"] * 1e-3) / 1e9
+            entry.update(t, gb_per_s=gbs, of_copy=gbs / copy_gbs)
+        res[name] = entry
+    gathered = [_GatheredCache(k, v, c.prepare_attend(0, qd, version=1)) for c, k, v in copies]
+    res["torch_sdpa_gathered"] = _time_torch_sdpa(rt, gathered, rt.asnumpy(qd), case, timer, copy_gbs)
+    for c in paged:
+        c.abort_step()
+    return res
 
 
 def _time_torch_sdpa(rt, caches, q, case: AttnCase, timer: Timer, copy_gbs: float) -> dict:
@@ -405,7 +487,8 @@ def run_compares(rt, model_path: str | None, smoke: bool) -> list[dict]:
     steps = 3 if smoke else 16
     runs = [dict(cache="contiguous", cache_dtype=np.float32, fused=False),
             dict(cache="contiguous", cache_dtype=np.float16, fused=True),
-            dict(cache="none", cache_dtype=np.float32, fused=False, max_new_tokens=min(steps, 4))]
+            dict(cache="none", cache_dtype=np.float32, fused=False, max_new_tokens=min(steps, 4)),
+            dict(cache="paged", cache_dtype=np.float32, fused=False)]
     out = []
     for r in runs:
         n = r.pop("max_new_tokens", steps)
@@ -465,6 +548,22 @@ def format_markdown(report: dict) -> str:
             ms = {int(k): v for k, v in r["split_sweep_ms"].items()}  # JSON turns the keys into strings
             cells = ["-" if n not in ms else f"{ms[n] * 1e3:.1f}" for n in SPLIT_SWEEP]
             lines.append(f"| {r['case']} | {r['cache_dtype']} | " + " | ".join(cells) + " |")
+    paged = [r for r in report.get("attention", []) if r.get("paged")]
+    if paged:
+        lines += ["", f"## paged decode attention (blocks of {PAGED_BLOCK_SIZE} tokens; same data, same GB/s floor)",
+                  "", "| case | cache | paged v1 us | v1 GB/s | % copy | paged v2 us | partitions | v2 GB/s | auto | "
+                  "contiguous v1 us | SDPA gathered us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in paged:
+            p = r["paged"]
+            if "error" in p:
+                lines.append(f"| {r['case']} | {r['cache_dtype']} | error: {p['error']} |||||||||")
+                continue
+            sd = p.get("torch_sdpa_gathered", {})
+            sdpa_us = _fmt(sd["median_ms"] * 1e3, ".1f") if "median_ms" in sd else "n/a"
+            lines.append(f"| {r['case']} | {r['cache_dtype']} | {p['v1']['median_ms'] * 1e3:.1f} | "
+                         f"{p['v1']['gb_per_s']:.0f} | {100 * p['v1']['of_copy']:.0f} | "
+                         f"{p['v2']['median_ms'] * 1e3:.1f} | {p['v2']['partitions']} | {p['v2']['gb_per_s']:.0f} | "
+                         f"v{p['auto']['version']} | {r['v1']['median_ms'] * 1e3:.1f} | {sdpa_us} |")
     errs = [f"- {r['case']}: SDPA {r['torch_sdpa']['error']}" for r in report.get("attention", [])
             if "error" in r.get("torch_sdpa", {})]
     if errs:
@@ -534,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"case": f"{case.name} {case.dtype}", "error": f"{type(e).__name__}: {e}"}
             report["errors"].append(f"attention {case.name}: " + traceback.format_exc(limit=3))
         report["attention"].append(row)
+        if "error" in row.get("paged", {}):
+            report["errors"].append(f"paged attention {case.name}: {row['paged']['traceback']}")
         print("attention:", row.get("case"), {k: row[k]["median_ms"] for k in ("v1", "v2 fused") if k in row},
               flush=True)
 

@@ -206,7 +206,8 @@ def _add_compare(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8, help="steps to compare, the prefill included")
     p.add_argument("--backend", choices=["cupy", "sim"], default=None,
                    help="GPU path: CuPy or the CPU simulator (default: $MINIKV_GPU_BACKEND, else CuPy if usable)")
-    p.add_argument("--cache", choices=["contiguous", "none"], default="contiguous")
+    p.add_argument("--cache", choices=["contiguous", "paged", "none"], default="contiguous")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
     p.add_argument("--cache-dtype", choices=["float32", "float16"], default="float32",
                    help="what both caches store (attention computes in float32 either way)")
     p.add_argument("--fused", action="store_true", help="decode with the fused RoPE + cache-write + attention kernel")
@@ -241,7 +242,8 @@ def _run_compare(args) -> int:
         ids = tok.encode(args.prompt)
         label = "SmolLM2-135M (GGUF)"
     rt = runtime.get_runtime(args.backend)
-    print(f"{label}; prompt {len(ids)} tokens; GPU path: {rt.name}, cache {args.cache} ({args.cache_dtype})"
+    paged = f", block size {args.block_size}" if args.cache == "paged" else ""
+    print(f"{label}; prompt {len(ids)} tokens; GPU path: {rt.name}, cache {args.cache} ({args.cache_dtype}{paged})"
           f"{', fused decode kernel' if args.fused else ''}")
     print(f"{'step':>4} {'kind':>7} {'tokens':>6} {'max|Δlogit|':>12} {'numpy':>7} {'gpu':>7}  agree "
           f"{'numpy ms':>9} {'gpu ms':>9}")
@@ -252,7 +254,7 @@ def _run_compare(args) -> int:
               flush=True)
 
     res = compare(model, ids, args.max_new_tokens, backend=rt.name, cache=args.cache, cache_dtype=args.cache_dtype,
-                  fused=args.fused, on_step=show)
+                  fused=args.fused, on_step=show, block_size=args.block_size)
     tol = DEFAULT_TOL[args.cache_dtype] if args.tol is None else args.tol
     ok = res.tokens_agree and res.max_abs_logit_diff <= tol
     print(f"max |Δlogit| {res.max_abs_logit_diff:.3e} over {len(res.steps)} steps (tolerance {tol:g}); "

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import InvalidInputError
+from minikv.errors import ConfigError, InvalidInputError
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 
@@ -86,6 +86,9 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     if kind == "paged":
         from minikv.paged import PagedKVCache
 
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ConfigError(f"block_size={block_size!r}; a paged cache needs a positive number of token "
+                              "slots per block (e.g. --block-size 16)")
         num_blocks = max_seqs * -(-max_len // block_size)  # ceil: enough blocks for every sequence's max length
         return PagedKVCache(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
     raise InvalidInputError(f"cache kind {kind!r}; use one of {CACHE_KINDS}")

@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from minikv import kv_cache as cpu_cache
+from minikv import paged as cpu_paged
 from minikv.errors import ConfigError, InvalidInputError
 from minikv.model import Model as CpuModel
 from minikv.model import random_model
 from minikv_gpu import kv_cache as gpu_cache
+from minikv_gpu import paged as gpu_paged
 from minikv_gpu import runtime as _runtime
 from minikv_gpu.model import from_cpu
 
@@ -32,7 +34,7 @@ from minikv_gpu.model import from_cpu
 SMOLLM2_SHAPES = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                       intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position=8192,
                       rope_layout="interleaved")
-CACHE_KINDS = ("contiguous", "none")
+CACHE_KINDS = ("contiguous", "paged", "none")
 
 # Pass criteria on max |Δlogit| (greedy tokens must agree as well). float32: both paths compute the same
 # float32 math in a different order, so the logits agree to ~1e-5..1e-4 and 1e-3 is the issue's bound.
@@ -67,6 +69,7 @@ class CompareResult:
     fused: bool
     prompt_tokens: int
     steps: list = field(default_factory=list)
+    block_size: int | None = None  # the paged caches' block size
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -81,6 +84,7 @@ class CompareResult:
         return {"max_abs_logit_diff": self.max_abs_logit_diff, "tokens_agree": self.tokens_agree,
                 "steps": len(self.steps), "backend": self.backend, "cache": self.cache,
                 "cache_dtype": self.cache_dtype, "fused": self.fused, "prompt_tokens": self.prompt_tokens,
+                "block_size": self.block_size,
                 "numpy_s": sum(s.numpy_s for s in self.steps), "gpu_s": sum(s.gpu_s for s in self.steps),
                 "per_step": [{**asdict(s), "agree": s.agree} for s in self.steps]}
 
@@ -92,14 +96,16 @@ def smollm2_random(seed: int = 0) -> CpuModel:
 
 def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: str | None = None,
             cache: str = "contiguous", cache_dtype=np.float32, fused: bool = False,
-            on_step=None) -> CompareResult:
+            on_step=None, block_size: int = 16) -> CompareResult:
     """Run ``model`` (NumPy) and its GPU twin side by side; see the module docstring.
 
     max_new_tokens: steps to compare, the prefill included (>= 1)
-    cache:          "contiguous" (both paths cache K/V) or "none" (both recompute everything)
+    cache:          "contiguous" or "paged" (both paths cache K/V the same way), or "none" (both
+                    recompute everything)
     cache_dtype:    what both caches store, float32 or float16
     fused:          the GPU path decodes with the fused RoPE + cache-write + attention kernel
     on_step:        called with each ``StepResult`` as soon as it is measured (for printing)
+    block_size:     token slots per block of the paged caches
     """
     if cache not in CACHE_KINDS:
         raise ConfigError(f"cache={cache!r}; compare supports {CACHE_KINDS}")
@@ -111,7 +117,14 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
     rt = _runtime.get_runtime(backend)
     cache_dtype = np.dtype(cache_dtype)
     gpu = from_cpu(model, runtime=rt, cache_dtype=cache_dtype, fused=fused)
-    if cache == "contiguous":
+    if cache == "paged":  # pools just large enough for the run
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ConfigError(f"block_size={block_size!r}; use a positive number of token slots per block")
+        num_blocks = cpu_paged.num_blocks_for(len(ids) + max_new_tokens, block_size)
+        args = dict(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size, dtype=cache_dtype)
+        c_cpu = cpu_paged.PagedKVCache(**args)
+        c_gpu = gpu_paged.PagedKVCache(**args, runtime=rt)
+    elif cache == "contiguous":
         max_len = len(ids) + max_new_tokens
         c_cpu = cpu_cache.ContiguousKVCache(**model.new_cache_args(), max_seqs=1, max_len=max_len,
                                             dtype=cache_dtype)
@@ -123,7 +136,7 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
     c_gpu.add_sequence(0)
 
     result = CompareResult(backend=rt.name, cache=cache, cache_dtype=cache_dtype.name, fused=fused,
-                           prompt_tokens=len(ids))
+                           prompt_tokens=len(ids), block_size=int(block_size) if cache == "paged" else None)
     history, feed = list(ids), list(ids)
     for step in range(max_new_tokens):
         t0 = time.perf_counter()

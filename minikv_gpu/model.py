@@ -23,6 +23,7 @@ from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv_gpu.attention import device_f32, get_runtime, head_dim_defines
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
+from minikv_gpu.paged import PagedKVCache
 
 __all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "silu", "swiglu", "rope_tables",
            "apply_rope", "random_model", "from_cpu"]
@@ -159,7 +160,7 @@ class Model(_cpu.Model):
         """Run the new tokens of several sequences through the model (see ``minikv.model.Model.forward``).
 
         tokens:  B lists of new token ids (sequence i brings T_i tokens)
-        cache:   a ``minikv_gpu.kv_cache`` cache; the sequences must already be added to it
+        cache:   a ``minikv_gpu.kv_cache`` or ``minikv_gpu.paged`` cache; the sequences must already be added
         seq_ids: B cache ids (default 0..B-1)
         returns: float32 logits on the device, [B, V] (each sequence's last token) or [N, V]
         """
@@ -168,9 +169,9 @@ class Model(_cpu.Model):
         seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
         if len(seq_ids) != len(toks):
             raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
-        if not isinstance(cache, (ContiguousKVCache, NoCache)):
+        if not isinstance(cache, (ContiguousKVCache, NoCache, PagedKVCache)):
             raise ConfigError(f"cache is a {type(cache).__module__}.{type(cache).__name__}; the GPU model needs a "
-                              "minikv_gpu.kv_cache cache (e.g. model.new_cache(max_seqs, max_len))")
+                              "minikv_gpu.kv_cache or minikv_gpu.paged cache (e.g. model.new_cache(max_seqs, max_len))")
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
                               f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "

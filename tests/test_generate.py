@@ -72,3 +72,18 @@ def test_bad_arguments(model):
         generate(model, [1], -1)
     with pytest.raises(InvalidInputError, match="cache kind"):
         generate(model, [1], 2, cache="bogus")
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_cache_generates_the_same_tokens(model, block_size):
+    prompt = [3, 14, 15, 92, 65]
+    want = generate(model, prompt, 12, cache="contiguous", eos_token_id=-1).token_ids
+    assert generate(model, prompt, 12, cache="paged", block_size=block_size, eos_token_id=-1).token_ids == want
+
+
+@pytest.mark.parametrize("block_size", [0, -3, 2.5])
+def test_paged_cache_rejects_a_bad_block_size(model, block_size):
+    from minikv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="block_size"):
+        generate(model, [1, 2], 2, cache="paged", block_size=block_size)

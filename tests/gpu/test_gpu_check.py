@@ -47,14 +47,20 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is True and report["errors"] == []
     assert report["device"]["backend"] == "sim"
-    assert len(report["compare"]) == 3 and all(c["tokens_agree"] for c in report["compare"])
+    assert len(report["compare"]) == 4 and all(c["tokens_agree"] for c in report["compare"])
+    assert report["compare"][3]["cache"] == "paged"
     assert report["copy"]["gb_per_s"] > 0
     for row in report["attention"]:
         for variant in ("v1", "v1 unsplit", "v2 fused"):
             assert row[variant]["rel_err"] <= 1e-5 and row[variant]["median_ms"] > 0
         assert row["min_bytes"] > 0
+        paged = row["paged"]  # step 3: paged v1/v2 against the contiguous kernel, and SDPA on the gathered data
+        for variant in ("v1", "v2", "auto"):
+            assert paged[variant]["rel_err"] <= 1e-5 and paged[variant]["median_ms"] > 0
+        assert paged["v2"]["version"] == 2
+        assert paged["torch_sdpa_gathered"]["rel_err_vs_ours"] <= 1e-2  # a float16 case: SDPA rounds q and out
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "| smoke gqa3 |" in md and "device-to-device copy" in md
+    assert "| smoke gqa3 |" in md and "device-to-device copy" in md and "## paged decode attention" in md
     assert capsys.readouterr().out.rstrip().endswith("gpu_check.md")
 
 

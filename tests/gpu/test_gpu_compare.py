@@ -75,5 +75,5 @@ def test_compare_errors(capsys):
         cmp.compare(tiny(), [1], 0, backend="sim")
     with pytest.raises(InvalidInputError, match="no tokens"):
         cmp.compare(tiny(), [], 2, backend="sim")
-    with pytest.raises(ConfigError, match="paged"):
-        cmp.compare(tiny(), [1], 2, backend="sim", cache="paged")
+    with pytest.raises(ConfigError, match="window"):
+        cmp.compare(tiny(), [1], 2, backend="sim", cache="window")
