@@ -6,6 +6,9 @@ context length (default 256 and 1024 tokens of real text):
 
 * cached:   prefill ``ctx`` tokens, then time single-token decode steps
             (median over rounds; the first step of every round is a warm-up);
+* generate(): the same decode through each library's own generation API
+            (``minikv.generate.generate`` and transformers' ``model.generate``,
+            greedy), timed from the arrival of the streamed tokens;
 * uncached: time one full forward pass over ``ctx`` tokens, which is what every
             token costs when K/V are recomputed (the step-1 baseline).
 
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from minikv.corpus import reference_tokens
+from minikv.generate import generate
 from minikv.gguf import find_model_file, load_model
 from minikv.kv_cache import ContiguousKVCache, NoCache
 from minikv.machine import describe, machine_info, write_result
@@ -71,6 +75,9 @@ class MinikvRunner:
     def full_forward(self, ids):
         return self.model.forward([ids], NoCache(**self.model.new_cache_args()))[0]
 
+    def generate(self, ids, n: int, on_token) -> None:
+        generate(self.model, ids, n, eos_token_id=-1, on_token=on_token)
+
 
 class TransformersRunner:
     name = "transformers"
@@ -102,6 +109,23 @@ class TransformersRunner:
         with self.torch.inference_mode():
             return self.model(self.torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].numpy()
 
+    def generate(self, ids, n: int, on_token) -> None:
+        class Streamer:  # transformers calls put() with the prompt first, then with each new token
+            def __init__(self):
+                self.prompt_seen = False
+
+            def put(self, value):
+                if self.prompt_seen:
+                    on_token(int(value.reshape(-1)[0]))
+                self.prompt_seen = True
+
+            def end(self):
+                pass
+
+        with self.torch.inference_mode():
+            self.model.generate(self.torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                streamer=Streamer())
+
 
 def time_decode(runner, ids, steps: int) -> list[float]:
     """Prefill ``ids``, then time ``steps`` greedy decode steps (the first one untimed)."""
@@ -115,11 +139,21 @@ def time_decode(runner, ids, steps: int) -> list[float]:
     return times
 
 
+def time_generate(runner, ids, n: int) -> float:
+    """Seconds per token of the library's own generation loop (greedy, ``n`` new tokens), from the
+    arrival times of the streamed tokens after the first (which comes from the prefill)."""
+    stamps = []
+    runner.generate(ids, n, lambda tok: stamps.append(time.perf_counter()))
+    assert len(stamps) == n, (runner.name, len(stamps))
+    return (stamps[-1] - stamps[0]) / (n - 1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctx", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per context length")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per round")
+    ap.add_argument("--settle", type=float, default=0.5, help="seconds of idle before each engine's round")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_cpu.json"))
     args = ap.parse_args(argv)
@@ -139,38 +173,51 @@ def main(argv=None) -> int:
         ids = ids_all[:ctx]
         cached = {r.name: [] for r in runners}
         uncached = {r.name: [] for r in runners}
+        api = {r.name: [] for r in runners}
         for _ in range(args.rounds):
             for r in runners:  # alternate, so both sides see the same machine state
+                # Let the other library's worker threads (OpenBLAS, OpenMP) finish spinning and
+                # sleep first: on 2 cores a spinning idle pool steals a core and slows the next
+                # timed run by 1.2-5x (measured with back-to-back alternation in one process).
+                time.sleep(args.settle)
                 cached[r.name] += time_decode(r, ids, args.steps)
+                api[r.name].append(time_generate(r, ids, args.steps + 1))
                 t = time.perf_counter()
                 r.full_forward(ids)
                 uncached[r.name].append(time.perf_counter() - t)
         row = {"ctx": ctx}
         for r in runners:
             c, u = statistics.median(cached[r.name]), statistics.median(uncached[r.name])
+            g = statistics.median(api[r.name])
             row[r.name] = {"cached_tokens_per_s": 1 / c, "uncached_tokens_per_s": 1 / u,
+                           "generate_api_tokens_per_s": 1 / g,
                            "cache_speedup": u / c, "share_of_bandwidth_floor": floor_s / c,
                            "cached_ms_per_token": c * 1e3, "uncached_ms_per_token": u * 1e3}
         row["minikv_over_transformers_cached"] = (row["minikv"]["cached_tokens_per_s"]
                                                   / row["transformers"]["cached_tokens_per_s"])
         row["minikv_over_transformers_uncached"] = (row["minikv"]["uncached_tokens_per_s"]
                                                     / row["transformers"]["uncached_tokens_per_s"])
+        row["minikv_over_transformers_generate_api"] = (row["minikv"]["generate_api_tokens_per_s"]
+                                                        / row["transformers"]["generate_api_tokens_per_s"])
         results.append(row)
 
-    print(f"\n{'ctx':>5} {'engine':>13} {'cached tok/s':>13} {'uncached tok/s':>15} {'cache speedup':>14} "
-          f"{'of bw floor':>12}")
+    print(f"\n{'ctx':>5} {'engine':>13} {'cached tok/s':>13} {'generate() tok/s':>17} {'uncached tok/s':>15} "
+          f"{'cache speedup':>14} {'of bw floor':>12}")
     for row in results:
         for name in ("minikv", "transformers"):
             e = row[name]
-            print(f"{row['ctx']:>5} {name:>13} {e['cached_tokens_per_s']:>13.1f} {e['uncached_tokens_per_s']:>15.2f} "
+            print(f"{row['ctx']:>5} {name:>13} {e['cached_tokens_per_s']:>13.1f} "
+                  f"{e['generate_api_tokens_per_s']:>17.1f} {e['uncached_tokens_per_s']:>15.2f} "
                   f"{e['cache_speedup']:>13.1f}x {e['share_of_bandwidth_floor']:>11.0%}")
         print(f"{'':>5} {'minikv / transformers:':>28} cached {row['minikv_over_transformers_cached']:.2f}x, "
+              f"generate() {row['minikv_over_transformers_generate_api']:.2f}x, "
               f"uncached {row['minikv_over_transformers_uncached']:.2f}x")
     info = machine_info(("numpy", "torch", "transformers", "gguf"))
     print(describe(info))
     out = write_result(args.out, {
         "benchmark": "decode_cpu", "model": path.name, "dtype": "float32",
-        "method": f"{args.rounds} alternating rounds x {args.steps} timed decode steps; medians",
+        "method": f"{args.rounds} alternating rounds x {args.steps} timed decode steps, {args.settle} s idle "
+                  "before each engine's round; medians",
         "read_bandwidth_gbs": bw, "weight_bytes_per_token": wbytes, "bandwidth_floor_ms_per_token": floor_s * 1e3,
         "results": results, "machine": info})
     print(f"wrote {out}")
