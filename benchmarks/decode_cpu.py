@@ -51,6 +51,31 @@ def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 7) -> float:
     return w.nbytes / statistics.median(times) / 1e9
 
 
+def matmul_ms_per_token(model, repeats: int = 15) -> float:
+    """Median ms of one decode step's matrix products alone (same weights, same calls as
+    ``Model.forward`` with one token): the part of a step that streams the weights."""
+    h = model.config.hidden_size
+    x = np.ones((1, h), dtype=np.float32)
+    y = np.ones((1, model.config.intermediate_size), dtype=np.float32)
+    a = np.ones((1, model.config.num_heads * model.config.head_dim), dtype=np.float32)
+
+    def step():
+        for lw in model._layers:
+            x @ lw.wqkv_t.T
+            a @ lw.wo_t.T
+            x @ lw.w_gate_up_t.T
+            y @ lw.w_down_t.T
+        x @ model.lm_head.T
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step must read: every layer matrix and norm, the LM head,
     and one embedding row."""
@@ -160,13 +185,15 @@ def main(argv=None) -> int:
 
     path = find_model_file(args.model)
     model, tok = load_model(path)
-    runners = [MinikvRunner(model), TransformersRunner(path)]
     ids_all = reference_tokens(tok, max(args.ctx))
-    bw = read_bandwidth_gbs()
+    bw = read_bandwidth_gbs()  # measured before torch is loaded: no other thread pool around
+    mm_ms = matmul_ms_per_token(model)
     wbytes = weight_bytes_per_token(model)
     floor_s = wbytes / (bw * 1e9)
     print(f"read bandwidth {bw:.1f} GB/s; weights read per token {wbytes / 1e6:.0f} MB "
           f"-> floor {floor_s * 1e3:.1f} ms/token ({1 / floor_s:.0f} tokens/s)")
+    print(f"minikv's matrix products alone: {mm_ms:.1f} ms/token ({wbytes / mm_ms / 1e6:.1f} GB/s)")
+    runners = [MinikvRunner(model), TransformersRunner(path)]
 
     results = []
     for ctx in args.ctx:
@@ -219,6 +246,7 @@ def main(argv=None) -> int:
         "method": f"{args.rounds} alternating rounds x {args.steps} timed decode steps, {args.settle} s idle "
                   "before each engine's round; medians",
         "read_bandwidth_gbs": bw, "weight_bytes_per_token": wbytes, "bandwidth_floor_ms_per_token": floor_s * 1e3,
+        "minikv_matmul_ms_per_token": mm_ms,
         "results": results, "machine": info})
     print(f"wrote {out}")
     return 0

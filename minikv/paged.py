@@ -25,8 +25,9 @@ The data layout (the GPU wing ``minikv_gpu.paged`` mirrors it exactly)
   mapping** ``[N] int64`` (one slot per packed new token) into the pool viewed
   as ``[num_blocks * block_size, Hkv, D]``.
   Offsets are 64-bit on purpose: the element offset ``slot * Hkv * D`` passes
-  2**31 long before memory runs out (2**17 blocks x 16 slots x 8 heads x 128
-  dims already does), so a kernel must compute it as ``(int64)slot * stride``.
+  the int32 limit 2**31 - 1 long before memory runs out (2**18 blocks x 16 slots
+  x 8 heads x 128 dims = 2**32 elements, 16 GiB in fp32, a modest pool on a large
+  GPU), so a kernel must compute it as ``(int64)slot * stride``.
 
 Who owns what
 -------------

@@ -535,7 +535,7 @@ def format_benchmark(res: dict) -> str:
     wl = res["workload"]
     lines = [f"workload: {wl['num_requests']} requests, lognormal prompts (median {wl['prompt_median']:.0f}) and "
              f"outputs (median {wl['output_median']:.0f}), {wl['shared_prefix_len']}-token system prompt on "
-             f"{wl['shared_fraction']:.0%}; KV budget {res['kv_budget_bytes'] / 2**20:.1f} MiB = "
+             f"{wl['shared_fraction']:.0%}; KV budget {res['kv_budget_bytes'] / 2**20:.2f} MiB = "
              f"{res['budget_tokens']} tokens ({res['num_blocks']} blocks of {res['block_size']}); "
              f"contiguous reserves {res['contiguous']['reserve_len']} per sequence",
              f"{'':30s}{'paged':>12s}{'contiguous':>12s}"]

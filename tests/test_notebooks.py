@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-REQUIRED = ["01_naive_attention.ipynb", "02_kv_cache.ipynb"]
+REQUIRED = ["01_naive_attention.ipynb", "02_kv_cache.ipynb", "03_paged_attention.ipynb"]
 IMPORTS_MINIKV = re.compile(r"^\s*(?:from|import)\s+minikv\b", re.M)
 
 

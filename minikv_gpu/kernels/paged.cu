@@ -23,7 +23,7 @@
 // runs T rows whose positions differ, which makes the same kernels causal prefill attention too.
 //
 // Offsets are 64-bit: slot * Hkv * D passes 2^31 long before memory runs out
-// (2^17 blocks * 16 slots * 8 heads * 128 dims = 2^31 elements already).
+// (2^18 blocks * 16 slots * 8 heads * 128 dims = 2^32 elements, past the int32 limit 2^31 - 1).
 //
 // Stale slots: the last block of a sequence is partly filled; its other slots hold whatever the
 // block's previous owner left (possibly NaN). They are never read: a tile's rows past the

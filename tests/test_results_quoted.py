@@ -1,0 +1,46 @@
+"""Numbers quoted in the README and docs match the benchmark results they cite.
+
+A benchmark re-run rewrites ``benchmarks/results/*.json``; these tests fail until the prose
+that quotes the old numbers is updated, so no page keeps a stale measurement.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _json(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def paged_numbers() -> list[str]:
+    d = _json("paged_memory.json")
+    return [_pct(d["paged"]["utilization"]), _pct(d["contiguous"]["utilization"]), f"{d['concurrency_ratio']:.2f}x"]
+
+
+def decode_numbers() -> list[str]:
+    d = _json("decode_cpu.json")
+    row = {r["ctx"]: r for r in d["results"]}[256]
+    return [f"{row['minikv_over_transformers_cached']:.2f}x", f"{row['minikv']['cached_tokens_per_s']:.1f}",
+            f"{row['transformers']['cached_tokens_per_s']:.1f}"]
+
+
+@pytest.mark.parametrize("page", ["docs/03_paged.md", "docs/claims.md", "docs/interview.md", "README.md"])
+def test_paged_memory_numbers_are_current(page):
+    text = (ROOT / page).read_text()
+    for number in paged_numbers():
+        assert number in text, f"{page} should quote {number} from benchmarks/results/paged_memory.json"
+
+
+def test_decode_numbers_in_readme_are_current():
+    text = (ROOT / "README.md").read_text()
+    for number in decode_numbers():
+        assert number in text, f"README.md should quote {number} from benchmarks/results/decode_cpu.json"
