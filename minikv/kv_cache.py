@@ -92,6 +92,15 @@ def make_step(seq_ids: Sequence, num_new: Sequence[int], past: Sequence[int]) ->
     return Step(seq_ids, num_new, past, offsets, positions)
 
 
+def lookup_sequence(table: dict, seq_id):
+    """``table[seq_id]``, or an ``UnknownSequenceError`` that lists the ids the cache knows."""
+    try:
+        return table[seq_id]
+    except (KeyError, TypeError):  # TypeError: an unhashable id
+        raise UnknownSequenceError(f"sequence {seq_id!r} is not in the cache (known: "
+                                   f"{sorted(table, key=str)}); call add_sequence first") from None
+
+
 class KVCacheBase:
     """The interface every cache implements (see the module docstring).
 
@@ -302,11 +311,7 @@ class ContiguousKVCache(KVCacheBase):
         del self._slot[seq_id]
 
     def _slot_of(self, seq_id) -> int:
-        try:
-            return self._slot[seq_id]
-        except (KeyError, TypeError):
-            raise UnknownSequenceError(f"sequence {seq_id!r} is not in the cache (known: "
-                                       f"{sorted(self._slot, key=str)}); call add_sequence first") from None
+        return lookup_sequence(self._slot, seq_id)
 
     def length(self, seq_id) -> int:
         return int(self._len[self._slot_of(seq_id)])

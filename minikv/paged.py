@@ -81,9 +81,8 @@ from minikv.errors import (
     InvalidInputError,
     OutOfBlocksError,
     ShapeError,
-    UnknownSequenceError,
 )
-from minikv.kv_cache import KVCacheBase, Step
+from minikv.kv_cache import KVCacheBase, Step, lookup_sequence
 
 HashFn = Callable[["int | None", tuple], int]
 
@@ -613,11 +612,7 @@ class PagedKVCache(KVCacheBase):
 
     # -- sequences ------------------------------------------------------------------------------
     def _state(self, seq_id) -> _SeqState:
-        try:
-            return self._seqs[seq_id]
-        except (KeyError, TypeError):
-            raise UnknownSequenceError(f"sequence {seq_id!r} is not in the cache (known: "
-                                       f"{sorted(self._seqs, key=str)}); call add_sequence first") from None
+        return lookup_sequence(self._seqs, seq_id)
 
     def _resident(self, seq_id) -> _SeqState:
         s = self._state(seq_id)
