@@ -42,7 +42,7 @@ bench: install-test
 	$(PY) benchmarks/decode_cpu.py
 
 lint: install-test
-	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks
+	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks notebooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
