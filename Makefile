@@ -40,6 +40,8 @@ notebooks: install-test
 
 bench: install-test
 	$(PY) benchmarks/decode_cpu.py
+	$(PY) benchmarks/paged_memory.py
+	$(PY) benchmarks/nvcc_report.py
 
 lint: install-test
 	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks notebooks
