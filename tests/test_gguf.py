@@ -14,14 +14,9 @@ import numpy as np
 import pytest
 
 from minikv import gguf as mg
+from minikv.equivalence import rel_err
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError
 from minikv.model import Model, random_model
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| relative to max |b|."""
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
 
 # --- a tiny GGUF writer (what llama.cpp's converter does, for a random model) ------------------
 

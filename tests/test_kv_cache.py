@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from minikv.equivalence import EXACT_RTOL, rel_err
 from minikv.errors import CacheFullError, ConfigError, DTypeError, InvalidInputError, ShapeError, UnknownSequenceError
 from minikv.kv_cache import ContiguousKVCache, NoCache
 from minikv.model import random_model
@@ -14,12 +15,7 @@ SHAPES = {
     "mqa": dict(num_heads=5, num_kv_heads=1, head_dim=6, hidden_size=35, intermediate_size=33),
     "gqa9x3": dict(num_heads=9, num_kv_heads=3, head_dim=4, hidden_size=27, intermediate_size=41),
 }
-# float64 proves exactness, float32 shows the rounding budget (DESIGN.md §3)
-RTOL = {np.float64: 1e-10, np.float32: 1e-4}
 
-
-def rel_err(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def cache_for(model, max_seqs=1, max_len=64, dtype=None):
@@ -44,7 +40,7 @@ def test_cached_equals_uncached(shape, layout, dtype, prompt_len):
         assert got[-1].dtype == dtype  # no silent promotion
     got = np.concatenate(got)
     assert got.shape == reference.shape
-    assert rel_err(got, reference) <= RTOL[dtype]
+    assert rel_err(got, reference) <= EXACT_RTOL[dtype]
     assert np.array_equal(got.argmax(-1), reference.argmax(-1))
     assert cache.length("s") == ids.size
 
@@ -74,7 +70,7 @@ def test_batched_decode_equals_single(dtype):
     together += [model.forward([[t] for t in new_tokens[s]], batch, ids) for s in range(steps)]
     together = np.stack(together, axis=1)  # [B, 1 + steps, V]
     for i in range(len(prompts)):
-        assert rel_err(together[i], alone[i]) <= RTOL[dtype]
+        assert rel_err(together[i], alone[i]) <= EXACT_RTOL[dtype]
     assert [batch.length(s) for s in ids] == [p.size + steps for p in prompts]
 
 

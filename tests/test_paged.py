@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.attention import causal_attention
+from minikv.equivalence import EXACT_RTOL, rel_err
 from minikv.errors import (
     ConfigError,
     InvalidInputError,
@@ -22,11 +23,7 @@ SHAPES = {
     "gqa": dict(num_heads=6, num_kv_heads=2, head_dim=10, hidden_size=42, intermediate_size=70),
     "mqa": dict(num_heads=5, num_kv_heads=1, head_dim=6, hidden_size=35, intermediate_size=33),
 }
-RTOL = {np.float64: 1e-10, np.float32: 1e-4}
 
-
-def rel_err(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def paged_for(model, num_blocks=64, block_size=4, nan=True, **kw):
@@ -71,8 +68,8 @@ def test_paged_equals_contiguous_and_uncached(shape, layout, dtype, block_size, 
         out += [model.forward([ids[t:t + 1]], cache, ["s"]) for t in range(prompt_len, total)]
         runs[name] = np.concatenate(out)
         assert runs[name].dtype == dtype
-    assert rel_err(runs["paged"], reference) <= RTOL[dtype]
-    assert rel_err(runs["paged"], runs["contiguous"]) <= RTOL[dtype]
+    assert rel_err(runs["paged"], reference) <= EXACT_RTOL[dtype]
+    assert rel_err(runs["paged"], runs["contiguous"]) <= EXACT_RTOL[dtype]
     assert np.array_equal(runs["paged"].argmax(-1), reference.argmax(-1))
     assert paged.length("s") == total
     assert len(paged.block_table("s")) == -(-total // block_size)
@@ -107,11 +104,11 @@ def test_mixed_prefill_and_decode_in_one_step(dtype):
     rows = np.cumsum([0, 1, 1, 17, 5])
     for i, (lo, hi, t) in enumerate([(rows[0], rows[1], 10), (rows[1], rows[2], 3), (rows[2], rows[3], 0),
                                      (rows[3], rows[4], 0)]):
-        assert rel_err(logits[lo:hi], refs[i][t:t + hi - lo]) <= RTOL[dtype]
+        assert rel_err(logits[lo:hi], refs[i][t:t + hi - lo]) <= EXACT_RTOL[dtype]
     pos = [11, 4, 17, 5]
     out = model.forward([full[i][pos[i]:pos[i] + 1] for i in range(4)], cache, [0, 1, 2, 3])
     for i in range(4):
-        assert rel_err(out[i], refs[i][pos[i]]) <= RTOL[dtype]
+        assert rel_err(out[i], refs[i][pos[i]]) <= EXACT_RTOL[dtype]
 
 
 def test_paged_attention_reads_every_block_and_ignores_stale_nan():
@@ -240,7 +237,7 @@ def test_prefix_hit_gives_the_same_logits_as_no_sharing(dtype):
     shared = set(cache.block_table("a")[:3].tolist())
     assert set(cache.block_table("b")[:3].tolist()) == shared
     ref = model.logits(b + decode)[cached:]
-    assert rel_err(got, ref) <= RTOL[dtype]
+    assert rel_err(got, ref) <= EXACT_RTOL[dtype]
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     assert cache.prefix_hit_tokens == 12 and cache.prefix_query_tokens == len(a) + len(b)
 

@@ -23,20 +23,18 @@ import numpy as np
 import pytest
 
 from minikv import kv_cache as ref
+from minikv.equivalence import KERNEL_RTOL, rel_err
 from minikv.errors import CacheFullError, ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.model import apply_rope as ref_rope
 from minikv.model import rope_tables
 from minikv_gpu import kv_cache as gpu
 from minikv_gpu.model import apply_rope as gpu_rope
 
-RTOL = 1e-5
+RTOL = KERNEL_RTOL
 U16 = 2.0 ** -11  # float16 unit roundoff
 
 StepOut = namedtuple("StepOut", "got want exact q")
 
-
-def rel_err(got, want) -> float:
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 def fp16_bound(q: np.ndarray, ks: list, vs: list) -> float:

@@ -12,18 +12,14 @@ import pytest
 
 from minikv import kv_cache as ref_cache
 from minikv import model as ref
+from minikv.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv_gpu import kv_cache as gpu_cache
 from minikv_gpu import model as gpu
 
-RTOL = 1e-5
-LOGIT_RTOL = 1e-4
+RTOL = KERNEL_RTOL
+LOGIT_RTOL = EXACT_RTOL[np.float32]
 
-
-def rel_err(got, want) -> float:
-    if want.size == 0:
-        return 0.0
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 @pytest.mark.parametrize("n,h", [(0, 33), (1, 577), (7, 33), (3, 1024)])

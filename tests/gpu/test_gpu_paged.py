@@ -20,18 +20,16 @@ import pytest
 from minikv import cli
 from minikv import paged as ref
 from minikv.attention import causal_attention
+from minikv.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, OutOfBlocksError, ShapeError
 from minikv.model import random_model
 from minikv_gpu import compare as cmp
 from minikv_gpu import model as gpu_model
 from minikv_gpu import paged as gpu
 
-RTOL = 1e-5
-LOGIT_RTOL = 1e-4
+RTOL = KERNEL_RTOL
+LOGIT_RTOL = EXACT_RTOL[np.float32]
 
-
-def rel_err(got, want) -> float:
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 # --- reshape_and_cache --------------------------------------------------------------------------
