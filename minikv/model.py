@@ -256,6 +256,26 @@ class Model:
             raise InvalidInputError("tokens is empty; pass at least one sequence")
         return out
 
+    def check_call(self, tokens: Sequence, cache, seq_ids: Sequence | None) -> tuple[list[np.ndarray], list]:
+        """Validate a forward call: the token lists, one seq id each (default 0..B-1), and a
+        cache of this model's geometry. Returns the tokens as int64 arrays and the seq ids."""
+        c = self.config
+        toks = self.check_tokens(tokens)
+        seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
+        if len(seq_ids) != len(toks):
+            raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
+                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
+                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        return toks, seq_ids
+
+    def check_positions(self, positions: np.ndarray) -> None:
+        """Refuse positions the model has no RoPE angles for (raised inside the step: it rolls back)."""
+        if positions.size and positions.max() >= self.config.max_position:
+            raise InvalidInputError(f"position {int(positions.max())} >= max_position={self.config.max_position}; "
+                                    "the model was not trained this long")
+
     def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None,
                 all_logits: bool = False) -> np.ndarray:
         """Run the new tokens of several sequences through the model.
@@ -267,20 +287,11 @@ class Model:
                  packed token if ``all_logits`` (N = sum T_i)
         """
         c = self.config
-        toks = self.check_tokens(tokens)
-        seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
-        if len(seq_ids) != len(toks):
-            raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
-        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
-            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
-                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
-                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = np.concatenate(toks)
         n, hq, hkv, d = ids.size, c.num_heads, c.num_kv_heads, c.head_dim
         with cache.step(seq_ids, [t.size for t in toks]) as positions:
-            if positions.size and positions.max() >= c.max_position:
-                raise InvalidInputError(f"position {int(positions.max())} >= max_position={c.max_position}; "
-                                        "the model was not trained this long")
+            self.check_positions(positions)
             cos, sin = self.cos[positions], self.sin[positions]
             x = self.embed[ids]  # [N, H]; a copy (fancy indexing), so the in-place adds below are safe
             for li, lw in enumerate(self._layers):

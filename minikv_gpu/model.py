@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from minikv import model as _cpu
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, DTypeError, ShapeError
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv_gpu.attention import device_f32, get_runtime, head_dim_defines
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
@@ -165,23 +165,14 @@ class Model(_cpu.Model):
         returns: float32 logits on the device, [B, V] (each sequence's last token) or [N, V]
         """
         c, rt, xp = self.config, self.rt, self.rt.xp
-        toks = self.check_tokens(tokens)
-        seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
-        if len(seq_ids) != len(toks):
-            raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
         if not isinstance(cache, (ContiguousKVCache, NoCache, PagedKVCache)):
             raise ConfigError(f"cache is a {type(cache).__module__}.{type(cache).__name__}; the GPU model needs a "
                               "minikv_gpu.kv_cache or minikv_gpu.paged cache (e.g. model.new_cache(max_seqs, max_len))")
-        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
-            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
-                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
-                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = rt.asarray(np.concatenate(toks))
         n, hq, hkv, d = int(ids.size), c.num_heads, c.num_kv_heads, c.head_dim
         with cache.step(seq_ids, [t.size for t in toks]) as positions:
-            if positions.size and positions.max() >= c.max_position:
-                raise InvalidInputError(f"position {int(positions.max())} >= max_position={c.max_position}; "
-                                        "the model was not trained this long")
+            self.check_positions(positions)
             pos = rt.asarray(positions)
             cos, sin = xp.ascontiguousarray(self.cos[pos]), xp.ascontiguousarray(self.sin[pos])
             fused = self.fused and isinstance(cache, ContiguousKVCache) and all(t.size == 1 for t in toks)
