@@ -128,7 +128,7 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise InvalidInputError(f"max_new_tokens={max_new_tokens!r}; use a non-negative integer")
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-    result = result if result is not None else GenerationResult(prompt_ids=prompt.tolist())
+    result = GenerationResult(prompt_ids=[]) if result is None else result
     result.prompt_ids, result.cache = prompt.tolist(), cache
     if max_new_tokens == 0:
         return
@@ -163,7 +163,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache
              sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
              on_token: Callable[[int], None] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; see ``stream``."""
-    result = GenerationResult(prompt_ids=list(prompt_ids))
+    result = GenerationResult(prompt_ids=[])  # stream() fills it in
     for tok in stream(model, prompt_ids, max_new_tokens, cache, sampling, eos_token_id, block_size, result):
         if on_token is not None:
             on_token(tok)
