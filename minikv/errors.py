@@ -8,6 +8,8 @@ built-in (``ValueError``, ``KeyError``, ...) so generic handlers still work.
 
 from __future__ import annotations
 
+import numbers
+
 
 class MinikvError(Exception):
     """Base class of every error raised on purpose by minikv."""
@@ -79,3 +81,29 @@ class KernelFaultError(MinikvError, RuntimeError):
 
 class KernelDeadlockError(KernelFaultError):
     """Threads of a block wait on each other forever (e.g. a barrier not reached by all)."""
+
+
+# --- the one validator for integers and choices -----------------------------------
+
+def check_int(name: str, val, *, minimum: int | None = 1, maximum: int | None = None,
+              error: type[MinikvError] = ConfigError, hint: str = "") -> int:
+    """``val`` as a Python int, or ``error`` naming ``name``, the value and the allowed range.
+
+    ``True``/``False`` are refused (``bool`` is an ``int`` in Python, never a count here);
+    NumPy integers are accepted. ``minimum``/``maximum`` are inclusive (None: unbounded).
+    """
+    lo = "-inf" if minimum is None else minimum
+    hi = "inf" if maximum is None else maximum
+    fix = f"; {hint}" if hint else ""
+    if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+        raise error(f"{name}={val!r} must be an integer in [{lo}, {hi}]{fix}")
+    if (minimum is not None and val < minimum) or (maximum is not None and val > maximum):
+        raise error(f"{name}={val!r} is outside [{lo}, {hi}]{fix}")
+    return int(val)
+
+
+def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigError):
+    """``val`` if it is one of ``choices``, else ``error`` listing them."""
+    if val not in tuple(choices):
+        raise error(f"{name}={val!r} is not one of {', '.join(repr(c) for c in choices)}")
+    return val
