@@ -126,13 +126,12 @@ class BlockManager:
         return hit
 
     def admission_cost(self, prompt_ids: Sequence[int]) -> int:
-        """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume.
-
-        New blocks for the uncached part, plus cached-free blocks a hit revives
-        (they were counted as free). Blocks already in use by others are free of charge.
-        """
+        """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume."""
         tokens = _token_list(prompt_ids)
-        hit = self.prefix_hit(tokens)
+        return self._cost(tokens, self.prefix_hit(tokens))
+
+    def _cost(self, tokens: list, hit: list[int]) -> int:
+        # new blocks for the uncached part + cached-free blocks the hit revives; blocks in use by others are free
         live = sum(1 for b in hit if self.allocator.blocks[b].ref_count > 0)
         return num_blocks_for(len(tokens), self.block_size) - live
 
@@ -159,6 +158,26 @@ class BlockManager:
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id, prompt_ids: Sequence[int] | None = None) -> int:
         """Start a sequence; return how many leading prompt tokens are already cached (see PagedKVCache)."""
+        self._check_new(seq_id)
+        tokens = None if prompt_ids is None else _token_list(prompt_ids)
+        return self._add(seq_id, tokens, self.prefix_hit(tokens) if tokens is not None else [])
+
+    def admit(self, seq_id, prompt_ids: Sequence[int], free_blocks: int) -> tuple[int, int] | None:
+        """``add_sequence`` if the prompt's prefill fits in ``free_blocks`` blocks, with one prefix-cache walk.
+
+        Returns (cached tokens, free blocks the admission and its prefill consume), or None
+        (nothing changed) when it does not fit. The cost counts new blocks for the uncached
+        part plus cached-free blocks the hit revives (they were counted as free).
+        """
+        self._check_new(seq_id)
+        tokens = _token_list(prompt_ids)
+        hit = self.prefix_hit(tokens)
+        cost = self._cost(tokens, hit)
+        if cost > free_blocks:
+            return None
+        return self._add(seq_id, tokens, hit), cost
+
+    def _check_new(self, seq_id) -> None:
         self._no_open_step("add a sequence")
         try:
             hash(seq_id)
@@ -166,8 +185,8 @@ class BlockManager:
             raise InvalidInputError(f"seq_id={seq_id!r} is not hashable; use an int or a str") from None
         if seq_id in self.seqs:
             raise InvalidInputError(f"sequence {seq_id!r} is already in the cache; free it or pick a new id")
-        tokens = None if prompt_ids is None else _token_list(prompt_ids)
-        hit = self.prefix_hit(tokens) if tokens is not None else []
+
+    def _add(self, seq_id, tokens: list | None, hit: list[int]) -> int:
         for bid in hit:
             self.allocator.incref(bid)
         n = len(hit) * self.block_size

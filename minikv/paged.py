@@ -251,6 +251,10 @@ class PagedKVCache(KVCacheBase):
         """
         return self.blocks.add_sequence(seq_id, prompt_ids)
 
+    def try_add_sequence(self, seq_id, prompt_ids: Sequence[int], free_blocks: int) -> tuple[int, int] | None:
+        """``add_sequence`` only if its prefill fits in ``free_blocks``: (cached tokens, blocks consumed) or None."""
+        return self.blocks.admit(seq_id, prompt_ids, free_blocks)
+
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence; its blocks return to the pool (full registered ones stay cached until evicted)."""
         self.blocks.free_sequence(seq_id)

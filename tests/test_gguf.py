@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minikv import gguf as mg
-from minikv.equivalence import rel_err
+from minikv.bench.equivalence import rel_err
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError
 from minikv.model import Model, random_model
 

@@ -5,7 +5,7 @@ import pytest
 
 from minikv import online_softmax as osm
 from minikv.attention import causal_attention, softmax
-from minikv.equivalence import rel_err
+from minikv.bench.equivalence import rel_err
 
 
 def reference(scores, values, mask=None):

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.attention import causal_attention
-from minikv.equivalence import EXACT_RTOL, rel_err
+from minikv.bench.equivalence import EXACT_RTOL, rel_err
+from minikv.block_allocator import chain_hash
 from minikv.errors import (
     ConfigError,
     InvalidInputError,
@@ -16,7 +17,6 @@ from minikv.errors import (
 )
 from minikv.kv_cache import ContiguousKVCache
 from minikv.model import random_model
-from minikv.block_allocator import chain_hash
 from minikv.paged import PagedKVCache, paged_attention, slot_mapping
 
 SHAPES = {
