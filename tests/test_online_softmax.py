@@ -98,3 +98,20 @@ def test_shapes_that_do_not_line_up_are_refused():
 
     with pytest.raises(ShapeError, match="key axes"):
         osm.update(osm.start((2,), 4), np.zeros((2, 5), np.float32), np.zeros((6, 4), np.float32))
+
+
+def test_assert_close_picks_the_bar_by_dtype_and_says_where_it_differs():
+    from minikv.bench.equivalence import assert_close
+
+    want = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    assert assert_close(want + np.float32(1e-6), want) <= 1e-4  # float32 bar 1e-4
+    with pytest.raises(AssertionError, match=r"worst at index \(2, 1\).*1 of 12 elements off"):
+        bad = want.copy()
+        bad[2, 1] += 0.01
+        assert_close(bad, want)
+    with pytest.raises(AssertionError, match="1e-10"):
+        assert_close(want.astype(np.float64) + 1e-6, want.astype(np.float64))  # float64 bar 1e-10
+    with pytest.raises(AssertionError, match="relative error nan"):
+        assert_close(np.full_like(want, np.nan), want)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(want[:2], want)

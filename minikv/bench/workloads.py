@@ -140,28 +140,7 @@ def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 
         sched = Scheduler(model, cache, preemption=preemption if paged else "recompute", policy=policy)
         t0 = time.perf_counter()
         outputs[side] = sched.run(reqs)
-        wall = time.perf_counter() - t0
-        st = sched.stats
-        summary = st.summary()
-        results[side] = {
-            "utilization": st.utilization,
-            "max_concurrency": st.max_concurrency,
-            "mean_concurrency": st.running_seq_steps / max(st.steps, 1),
-            "throughput_tokens_per_s": st.generated_tokens / wall,
-            "wall_s": wall,
-            "steps": st.steps,
-            "generated_tokens": st.generated_tokens,
-            "forward_tokens": st.forward_tokens,
-            "preemptions": st.preemptions,
-            "preemptions_recompute": st.preemptions_recompute,
-            "preemptions_swap": st.preemptions_swap,
-            "prefix_hit_rate": st.prefix_hit_rate,
-            "waste_of_allocated": {
-                "internal": st.internal_waste_steps / max(st.allocated_slot_steps, 1),
-                "reservation": st.reservation_waste_steps / max(st.allocated_slot_steps, 1)},
-            "waste_of_budget": summary["waste_of_budget"],
-            "reserve_len": None if paged else policy.reserve_len,
-        }
+        results[side] = _side_summary(sched, time.perf_counter() - t0)
     lost = [r.id for r in reqs if r.id not in outputs["paged"] or r.id not in outputs["contiguous"]]
     return {
         "workload": {**asdict(wl), "max_len": wl.max_len},
@@ -178,6 +157,30 @@ def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 
         / results["contiguous"]["throughput_tokens_per_s"],
         "requests_lost": len(lost),
         "identical_outputs": outputs["paged"] == outputs["contiguous"],
+    }
+
+
+def _side_summary(sched: Scheduler, wall: float) -> dict:
+    """One side's numbers: utilization, concurrency, throughput, preemptions, waste."""
+    st = sched.stats
+    allocated = max(st.allocated_slot_steps, 1)
+    return {
+        "utilization": st.utilization,
+        "max_concurrency": st.max_concurrency,
+        "mean_concurrency": st.running_seq_steps / max(st.steps, 1),
+        "throughput_tokens_per_s": st.generated_tokens / wall,
+        "wall_s": wall,
+        "steps": st.steps,
+        "generated_tokens": st.generated_tokens,
+        "forward_tokens": st.forward_tokens,
+        "preemptions": st.preemptions,
+        "preemptions_recompute": st.preemptions_recompute,
+        "preemptions_swap": st.preemptions_swap,
+        "prefix_hit_rate": st.prefix_hit_rate,
+        "waste_of_allocated": {"internal": st.internal_waste_steps / allocated,
+                               "reservation": st.reservation_waste_steps / allocated},
+        "waste_of_budget": st.summary()["waste_of_budget"],
+        "reserve_len": getattr(sched.policy, "reserve_len", None),
     }
 
 
