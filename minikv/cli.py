@@ -140,6 +140,14 @@ _MEMORY_SHAPE_FLAGS = {
 }
 
 
+def _flag_of_field(field: str) -> str:
+    """The ``minikv memory`` flag that sets ModelShape field ``field`` (the field itself if none does)."""
+    for flag, f in _MEMORY_SHAPE_FLAGS.items():
+        if f == field:
+            return "--" + flag.replace("_", "-")
+    return field
+
+
 @subcommand
 def _add_memory(sub) -> None:
     from minikv.costs import DTYPE_BITS, MLP_KINDS, PRESETS
@@ -197,7 +205,7 @@ def _run_memory(args) -> int:
         shape = ModelShape(name="custom", **fields)
     rep = memory_report(shape, args.batch, args.prompt_len, args.output_len, args.dtype, args.weights_dtype,
                         args.group_size, args.scale_bytes)
-    print(render_report(rep, shape))
+    print(render_report(rep, shape, field_label=_flag_of_field))
     if args.json:
         _print_json(rep)
     return 0

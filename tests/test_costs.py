@@ -391,7 +391,7 @@ def test_bad_inputs_raise_typed_errors(capsys):
         kv_cache_bytes(smol, 1, -1)
     with pytest.raises(ConfigError, match="multiple of num_kv_heads=4"):
         ModelShape("bad", num_layers=2, num_heads=6, num_kv_heads=4, head_dim=8)
-    with pytest.raises(ConfigError, match="--hidden"):
+    with pytest.raises(ConfigError, match="hidden_size"):  # the library names fields; the CLI names flags
         param_count(ModelShape("kv only", num_layers=2, num_kv_heads=2, head_dim=8))
     with pytest.raises(InvalidInputError, match="layer=2"):
         layer_flops(TINY, 2)
@@ -401,6 +401,13 @@ def test_bad_inputs_raise_typed_errors(capsys):
     assert rc == 2 and "ConfigError" in out and "--preset" in out
     rc, out, _ = run_cli(capsys, "memory", "--preset", "smollm2-135m", "--batch", "0")
     assert rc == 2 and "batch=0" in out
+
+
+def test_cli_names_the_flags_of_missing_fields(capsys):
+    """The formulas know field names only; `minikv memory` translates them into its flags."""
+    rc, out, rep = run_cli(capsys, "memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--json")
+    assert rc == 0 and rep["params"] is None
+    assert "need the whole shape: --hidden, --heads, --intermediate, --vocab" in out
 
 
 def test_cli_custom_shape_overrides_a_preset(capsys):
