@@ -190,12 +190,12 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     return spec.build(args, max_len, max_seqs, block_size, dtype)
 
 
-def check_context(model: Model, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
-    """Refuse a generation that would run past the model's ``max_position`` (InvalidInputError naming ``name``).
+def check_context(max_position: int, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+    """Refuse a generation that would run past a model's ``max_position`` (InvalidInputError naming ``name``).
 
     The last new token is never fed back, so positions 0 .. prompt_len + max_new_tokens - 2 run.
     """
-    limit = model.config.max_position
+    limit = max_position
     if prompt_len + max_new_tokens - 1 > limit:
         room = limit - prompt_len + 1
         fix = f"use {name} <= {room}" if room >= 1 else f"the {prompt_len}-token prompt alone is too long"
@@ -244,7 +244,7 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     result.prompt_ids, result.cache = prompt.tolist(), cache
     if max_new_tokens == 0:
         return
-    check_context(model, prompt.size, max_new_tokens)
+    check_context(model.config.max_position, prompt.size, max_new_tokens)
     rng = sampling.new_rng()
     kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size)
     kv.add_sequence(0)
