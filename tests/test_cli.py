@@ -101,3 +101,11 @@ def test_demo_progress_goes_to_stderr_and_the_text_to_stdout(capsys, smollm2_pat
     text = captured.out.split("--- without KV cache (recompute everything)\n", 1)[1].split("\n", 1)[0]
     cached = captured.out.split("--- with contiguous KV cache\n", 1)[1].split("\n", 1)[0]
     assert text and text == cached  # printed after the bar, the same text the streamed run printed
+
+
+def test_memory_names_flags_where_the_formulas_name_fields(capsys):
+    """minikv.costs knows field names only; `minikv memory` prints its flags instead."""
+    assert main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["params"] is None
+    assert "need the whole shape: --hidden, --heads, --intermediate, --vocab" in out

@@ -403,13 +403,6 @@ def test_bad_inputs_raise_typed_errors(capsys):
     assert rc == 2 and "batch=0" in out
 
 
-def test_cli_names_the_flags_of_missing_fields(capsys):
-    """The formulas know field names only; `minikv memory` translates them into its flags."""
-    rc, out, rep = run_cli(capsys, "memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--json")
-    assert rc == 0 and rep["params"] is None
-    assert "need the whole shape: --hidden, --heads, --intermediate, --vocab" in out
-
-
 def test_cli_custom_shape_overrides_a_preset(capsys):
     rc, out, rep = run_cli(capsys, "memory", "--preset", "deepseek-v3", "--kv-lora-rank", "0", "--rope-dim", "0",
                            "--kv-heads", "8", "--prompt-len", "65536", "--output-len", "0", "--json")
