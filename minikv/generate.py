@@ -195,12 +195,11 @@ def check_context(max_position: int, prompt_len: int, max_new_tokens: int, name:
 
     The last new token is never fed back, so positions 0 .. prompt_len + max_new_tokens - 2 run.
     """
-    limit = max_position
-    if prompt_len + max_new_tokens - 1 > limit:
-        room = limit - prompt_len + 1
+    if prompt_len + max_new_tokens - 1 > max_position:
+        room = max_position - prompt_len + 1
         fix = f"use {name} <= {room}" if room >= 1 else f"the {prompt_len}-token prompt alone is too long"
         raise InvalidInputError(f"{name}={max_new_tokens} after a {prompt_len}-token prompt runs past the "
-                                f"model's context of max_position={limit} tokens; {fix}")
+                                f"model's context of max_position={max_position} tokens; {fix}")
 
 
 # --- the loop ------------------------------------------------------------------------------------
