@@ -6,21 +6,26 @@
 With ``cache="none"`` every step re-runs the model over the whole sequence so
 far (step 1's baseline); with a real cache each decode step runs one token.
 Both must produce the same tokens under greedy decoding (tests prove it).
+
+``CACHE_KINDS`` is the one registry of cache kinds: ``make_cache`` builds from
+it and the ``--cache`` flags list its keys. ``sample(logits, params, rng)`` is
+the one sampler, for this loop and for a scheduler's per-sequence rows alike.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, InvalidInputError
+from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_int
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 
-CACHE_KINDS = ("none", "contiguous", "paged")
+# --- sampling ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class SamplingParams:
     temperature: divide logits by it before the softmax (> 0)
     top_k:       keep the k most likely tokens (0 = all)
     top_p:       keep the smallest set whose probability mass reaches top_p (1.0 = all)
-    seed:        seeds the sampler's random generator, for reproducible runs
+    seed:        seeds the sampler's random generator, for reproducible runs (None: fresh entropy)
     """
 
     greedy: bool = False
@@ -43,19 +48,34 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature > 0:
             raise InvalidInputError(f"temperature={self.temperature}; it must be > 0 (use greedy=True for argmax)")
-        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
-            raise InvalidInputError(f"top_k={self.top_k!r}; use 0 (off) or a positive integer")
+        check_int("top_k", self.top_k, minimum=0, error=InvalidInputError, hint="use 0 (off) or a positive integer")
         if not 0 < self.top_p <= 1:
             raise InvalidInputError(f"top_p={self.top_p}; it must lie in (0, 1]")
+        if self.seed is not None:
+            check_int("seed", self.seed, minimum=0, error=InvalidInputError, hint="or None for a fresh seed")
+
+    def new_rng(self) -> np.random.Generator:
+        """The generator for one sequence: make it once, pass it to every ``sample`` call of that sequence."""
+        return np.random.default_rng(self.seed)
 
 
 GREEDY = SamplingParams(greedy=True)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick one token id from logits: [V]."""
+def sample(logits: np.ndarray, params: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> int:
+    """Pick one token id from logits: [V] (one sequence's last row).
+
+    Greedy needs no ``rng`` (``sample(row)`` is the argmax). Sampling draws from
+    ``rng``, which the caller keeps per sequence (``params.new_rng()``) so that a
+    seeded run is reproducible whatever else runs beside it.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise ShapeError(f"logits.shape={logits.shape}; sample one sequence's row of logits [V] at a time")
     if params.greedy:
         return int(np.argmax(logits))
+    if rng is None:
+        raise InvalidInputError("sampling needs rng=params.new_rng(), made once per sequence (greedy needs none)")
     z = logits.astype(np.float64) / params.temperature  # float64: the cumulative sum below must not drift
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
@@ -74,24 +94,115 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(rng.choice(p.size, p=p))
 
 
+# --- the cache kinds -------------------------------------------------------------------------
+
+
+def _paged_block_size(block_size) -> int:
+    return check_int("block_size", block_size, hint="a paged cache needs a positive number of token slots per "
+                     "block, e.g. block_size=16")
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """One entry of ``CACHE_KINDS``: how to build that cache and how the loop feeds it.
+
+    slots(max_len, max_seqs, block_size) -> token positions the cache reserves up front
+    build(model_args, max_len, max_seqs, block_size, dtype) -> the cache
+    recompute: the cache forgets, so every step feeds the whole sequence again
+    """
+
+    slots: Callable[[int, int, int], int]
+    build: Callable[..., KVCacheBase]
+    recompute: bool
+    description: str
+
+
+def _paged_blocks(max_len: int, max_seqs: int, block_size) -> int:
+    """Blocks for every sequence's max length (a partial last block is a whole block)."""
+    return max_seqs * -(-max_len // _paged_block_size(block_size))
+
+
+def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+    from minikv.paged import PagedKVCache
+
+    num_blocks = _paged_blocks(max_len, max_seqs, block_size)
+    return PagedKVCache(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+CACHE_KINDS: dict[str, CacheKind] = {
+    "none": CacheKind(
+        slots=lambda max_len, max_seqs, block_size: 0,
+        build=lambda args, max_len, max_seqs, block_size, dtype: NoCache(**args, dtype=dtype),
+        recompute=True, description="recompute K/V for the whole sequence every step (step 1)"),
+    "contiguous": CacheKind(
+        slots=lambda max_len, max_seqs, block_size: max_seqs * max_len,
+        build=lambda args, max_len, max_seqs, block_size, dtype: ContiguousKVCache(
+            **args, max_seqs=max_seqs, max_len=max_len, dtype=dtype),
+        recompute=False, description="one [max_seqs, max_len] slab per layer, reserved up front (step 2)"),
+    "paged": CacheKind(
+        slots=lambda max_len, max_seqs, block_size: _paged_blocks(max_len, max_seqs, block_size) * block_size,
+        build=_build_paged, recompute=False,
+        description="fixed-size blocks from a shared pool, mapped by a block table (step 3)"),
+}
+
+
+def cache_kind(kind: str) -> CacheKind:
+    """The ``CACHE_KINDS`` entry called ``kind``; InvalidInputError listing the kinds otherwise."""
+    spec = CACHE_KINDS.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        raise InvalidInputError(f"cache kind {kind!r}; use one of {tuple(CACHE_KINDS)}")
+    return spec
+
+
+def available_memory_bytes() -> int | None:
+    """RAM the system can give without swapping: /proc/meminfo's MemAvailable, else physical RAM, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
                dtype=None) -> KVCacheBase:
-    """Build a cache of ``kind`` ("none", "contiguous" or "paged") sized for ``max_seqs`` x ``max_len`` tokens."""
+    """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
+
+    Refuses (ConfigError) a cache whose K and V would not fit in the memory
+    available now, before allocating anything.
+    """
+    spec = cache_kind(kind)
+    max_len = check_int("max_len", max_len, error=InvalidInputError)
+    max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
     dtype = model.dtype if dtype is None else dtype
     args = model.new_cache_args()
-    if kind == "none":
-        return NoCache(**args, dtype=dtype)
-    if kind == "contiguous":
-        return ContiguousKVCache(**args, max_seqs=max_seqs, max_len=max_len, dtype=dtype)
-    if kind == "paged":
-        from minikv.paged import PagedKVCache
+    per_token = 2 * args["num_layers"] * args["num_kv_heads"] * args["head_dim"] * np.dtype(dtype).itemsize
+    need = spec.slots(max_len, max_seqs, block_size) * per_token
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "
+                          f"only {have:,} are available; lower max_len (max_new_tokens) or max_seqs")
+    return spec.build(args, max_len, max_seqs, block_size, dtype)
 
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ConfigError(f"block_size={block_size!r}; a paged cache needs a positive number of token "
-                              "slots per block (e.g. --block-size 16)")
-        num_blocks = max_seqs * -(-max_len // block_size)  # ceil: enough blocks for every sequence's max length
-        return PagedKVCache(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
-    raise InvalidInputError(f"cache kind {kind!r}; use one of {CACHE_KINDS}")
+
+def check_context(max_position: int, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+    """Refuse a generation that would run past a model's ``max_position`` (InvalidInputError naming ``name``).
+
+    The last new token is never fed back, so positions 0 .. prompt_len + max_new_tokens - 2 run.
+    """
+    if prompt_len + max_new_tokens - 1 > max_position:
+        room = max_position - prompt_len + 1
+        fix = f"use {name} <= {room}" if room >= 1 else f"the {prompt_len}-token prompt alone is too long"
+        raise InvalidInputError(f"{name}={max_new_tokens} after a {prompt_len}-token prompt runs past the "
+                                f"model's context of max_position={max_position} tokens; {fix}")
+
+
+# --- the loop ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -125,20 +236,21 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     tokens, for the caller to read when the iterator is exhausted.
     """
     (prompt,) = model.check_tokens([prompt_ids])
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InvalidInputError(f"max_new_tokens={max_new_tokens!r}; use a non-negative integer")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0, error=InvalidInputError)
+    spec = cache_kind(cache)
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     result = GenerationResult(prompt_ids=[]) if result is None else result
     result.prompt_ids, result.cache = prompt.tolist(), cache
     if max_new_tokens == 0:
         return
-    rng = np.random.default_rng(sampling.seed)
+    check_context(model.config.max_position, prompt.size, max_new_tokens)
+    rng = sampling.new_rng()
     kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size)
     kv.add_sequence(0)
     ids = prompt.tolist()
 
     def next_logits(new: Sequence[int]) -> np.ndarray:
-        if cache == "none":  # recompute everything: feed the whole sequence to a cache that forgets
+        if spec.recompute:  # a cache that forgets: feed it the whole sequence so far
             return model.forward([ids], kv)[0]
         return model.forward([new], kv)[0]
 

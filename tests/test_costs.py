@@ -391,7 +391,7 @@ def test_bad_inputs_raise_typed_errors(capsys):
         kv_cache_bytes(smol, 1, -1)
     with pytest.raises(ConfigError, match="multiple of num_kv_heads=4"):
         ModelShape("bad", num_layers=2, num_heads=6, num_kv_heads=4, head_dim=8)
-    with pytest.raises(ConfigError, match="--hidden"):
+    with pytest.raises(ConfigError, match="hidden_size"):  # the library names fields; the CLI names flags
         param_count(ModelShape("kv only", num_layers=2, num_kv_heads=2, head_dim=8))
     with pytest.raises(InvalidInputError, match="layer=2"):
         layer_flops(TINY, 2)

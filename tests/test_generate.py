@@ -87,3 +87,68 @@ def test_paged_cache_rejects_a_bad_block_size(model, block_size):
 
     with pytest.raises(ConfigError, match="block_size"):
         generate(model, [1, 2], 2, cache="paged", block_size=block_size)
+
+
+def test_a_length_past_the_context_is_refused_before_anything_is_allocated(model, monkeypatch):
+    import minikv.generate as gen
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("make_cache ran although the length was refused")
+
+    limit = model.config.max_position  # 512 for random_model
+    with monkeypatch.context() as m:
+        m.setattr(gen, "make_cache", no_allocation)
+        with pytest.raises(InvalidInputError, match="max_new_tokens=100000000.*max_position=512"):
+            generate(model, [1, 2, 3, 4, 5], 100_000_000)
+        with pytest.raises(InvalidInputError, match=f"max_new_tokens <= {limit - 5 + 1}"):
+            generate(model, [1, 2, 3, 4, 5], limit - 5 + 2)
+    # the last new token is never fed back: prompt + max_new_tokens - 1 positions fit exactly
+    assert len(generate(model, [1, 2, 3, 4, 5], limit - 5 + 1, eos_token_id=-1).token_ids) == limit - 4
+
+
+def test_make_cache_refuses_a_cache_larger_than_memory(model, monkeypatch):
+    import minikv.generate as gen
+    from minikv.errors import ConfigError
+
+    per_token = 2 * 3 * 2 * 8 * 4  # K and V x layers x kv heads x head_dim x float32 bytes
+    monkeypatch.setattr(gen, "available_memory_bytes", lambda: 100 * per_token)
+    assert gen.make_cache("contiguous", model, max_len=100).bytes_allocated() == 100 * per_token
+    with pytest.raises(ConfigError, match=f"needs {101 * per_token:,} bytes"):
+        gen.make_cache("contiguous", model, max_len=101)
+    with pytest.raises(ConfigError, match="paged cache"):
+        gen.make_cache("paged", model, max_len=90, block_size=64)  # two blocks of 64 > 100 tokens
+    gen.make_cache("none", model, max_len=10**12)  # a cache that stores nothing needs no memory
+
+
+def test_one_registry_of_cache_kinds(model):
+    from minikv.generate import CACHE_KINDS, make_cache
+    from minikv.kv_cache import ContiguousKVCache, NoCache
+    from minikv.paged import PagedKVCache
+
+    assert list(CACHE_KINDS) == ["none", "contiguous", "paged"]
+    built = {kind: type(make_cache(kind, model, max_len=8)) for kind in CACHE_KINDS}
+    assert built == {"none": NoCache, "contiguous": ContiguousKVCache, "paged": PagedKVCache}
+    assert [k for k, spec in CACHE_KINDS.items() if spec.recompute] == ["none"]
+
+
+def test_sample_per_sequence_as_a_scheduler_calls_it(model):
+    """One rng per sequence, made once: the same draws as stream() whatever runs in between."""
+    from minikv.generate import make_cache
+
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
+    want = generate(model, [4, 5, 6], 6, cache="none", sampling=sp, eos_token_id=-1).token_ids
+    rng, ids, got = sp.new_rng(), [4, 5, 6], []
+    other = SamplingParams(seed=9)
+    for _ in range(6):
+        logits = model.forward([ids], make_cache("none", model, max_len=1))[0]  # what stream() computes
+        tok = sample(logits, sp, rng)
+        sample(logits, other, other.new_rng())  # another sequence's draw does not disturb this one
+        ids.append(tok)
+        got.append(tok)
+    assert got == want
+    row = model.logits([1, 2])[-1]
+    assert sample(row) == sample(row, GREEDY, None) == int(np.argmax(row))
+    with pytest.raises(InvalidInputError, match="rng"):
+        sample(row, sp)
+    with pytest.raises(InvalidInputError, match="seed=-1"):
+        SamplingParams(seed=-1)

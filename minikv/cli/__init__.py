@@ -1,0 +1,47 @@
+"""The ``minikv`` command. Each subcommand has an ``add_<name>(subparsers)`` in a module of this package,
+which sets the parser's ``func`` to its ``_run_<name>(args)``; ``common`` holds the flag table they share.
+
+    minikv generate --prompt "The capital of France is" --greedy
+    minikv --help
+
+Bad input never ends in a traceback: every flag is checked (``common.check_args``)
+before a subcommand starts, and every refusal is one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from minikv.cli import bench, compare, memory, text
+from minikv.cli.common import Parser, check_args, one_line
+from minikv.errors import MinikvError
+
+# the order --help lists them in
+SUBCOMMANDS = [text.add_generate, text.add_demo, memory.add_memory, compare.add_compare, bench.add_bench]
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="minikv",
+        description="LLM KV caches from scratch: NumPy reference + CUDA kernels, proven equal.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add_fn in SUBCOMMANDS:
+        add_fn(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``minikv`` with ``argv`` (default: ``sys.argv[1:]``); the exit code (2: refused input).
+
+    argparse's refusals raise ``SystemExit(2)``; refusals of values it parsed return 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+        return int(args.func(args) or 0)
+    except MinikvError as e:
+        print(f"minikv: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        return 2

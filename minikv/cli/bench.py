@@ -1,0 +1,102 @@
+"""``minikv bench NAME``: synthetic benchmarks. ``BENCHES`` maps a name to its run function."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minikv.cli.common import print_json, progress
+from minikv.errors import CacheFullError, InvalidInputError
+
+
+class _TickingModel:
+    """A ``Model`` whose forward passes advance a progress bar by one per sequence in the batch.
+
+    Stands in for a progress hook in ``minikv.scheduler``: the scheduler reads only
+    ``config``, ``dtype``, ``new_cache_args``, ``check_tokens`` and ``forward``, and
+    the wrapper passes every one of them through unchanged.
+    """
+
+    def __init__(self, model, bar):
+        self._model, self._bar = model, bar
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, tokens, cache, seq_ids=None, all_logits=False):
+        out = self._model.forward(tokens, cache, seq_ids, all_logits)
+        self._bar.update(len(tokens))  # each sequence of an unchunked step yields one token
+        return out
+
+
+def _bench_model(workload):
+    """The tiny random model ``batching_benchmark`` runs by default (2 layers: seconds, not minutes)."""
+    from minikv.model import random_model
+
+    return random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=workload.vocab_size, max_position=2048,
+                        seed=workload.seed)
+
+
+def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None:
+    """Refuse (naming the flags) a budget too small for one longest request, or larger than the machine has."""
+    from minikv.generate import available_memory_bytes
+    from minikv.paged import num_blocks_for
+
+    block = bytes_per_token * args.block_size
+    need = num_blocks_for(max_len, args.block_size)  # what the contiguous side reserves per sequence
+    if budget // block < need:
+        raise InvalidInputError(f"--kv-budget-mib={args.kv_budget_mib:g} holds {budget // block} blocks of "
+                                f"--block-size={args.block_size} but one sequence of the workload may need {need} "
+                                f"({max_len} tokens at {bytes_per_token} bytes each); use --kv-budget-mib >= "
+                                f"{need * block / 2**20:g} or a smaller --block-size")
+    # the paged and the contiguous pools may overlap for a moment; swap adds a host pool as large
+    pools = 3 if args.preemption == "swap" else 2
+    have = available_memory_bytes()
+    if have is not None and pools * budget > have:
+        raise InvalidInputError(f"--kv-budget-mib={args.kv_budget_mib:g} needs {pools} x {budget:,} bytes but "
+                                f"only {have:,} are available; lower --kv-budget-mib")
+
+
+def _bench_batching(args) -> int:
+    from minikv.bench.machine import describe, machine_info
+    from minikv.bench.workloads import Workload, batching_benchmark, format_benchmark
+
+    workload = Workload(num_requests=args.requests, seed=args.seed)
+    model = _bench_model(workload)
+    c = model.config
+    budget = int(args.kv_budget_mib * 2**20)
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
+    _check_budget(args, budget, per_token, workload.max_len)
+    # both sides (paged, contiguous) generate every request's max_new_tokens: no EOS in the workload
+    total = 2 * sum(r.max_new_tokens for r in workload.requests())
+    try:
+        with progress(total, "bench batching") as bar:
+            res = batching_benchmark(workload, kv_budget_bytes=budget, block_size=args.block_size,
+                                     preemption=args.preemption, model=_TickingModel(model, bar))
+    except CacheFullError as e:
+        raise CacheFullError(f"--kv-budget-mib={args.kv_budget_mib:g} is too small for this workload: {e}") from e
+    print(format_benchmark(res))
+    print(describe(machine_info()))
+    if args.json:
+        print_json(res)
+    return 0
+
+
+BENCHES = {"batching": _bench_batching}  # name -> run(args); add a benchmark by adding an entry
+
+
+def add_bench(sub) -> None:
+    from minikv.scheduler import PREEMPTION_MODES
+
+    p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory)",
+                       description="batching: continuous batching of a synthetic workload (lognormal lengths, "
+                                   "shared system prompt) on a tiny random model, paged vs a contiguous "
+                                   "cache reserving max length, at the same KV budget in bytes.")
+    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("--requests", type=int, default=160, help="requests in the workload (default 160)")
+    p.add_argument("--kv-budget-mib", type=float, default=4.0, help="KV memory budget in MiB (default 4)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
+    p.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    p.add_argument("--json", action="store_true", help="print one JSON line last (paged, contiguous, ratios)")
+    p.set_defaults(func=lambda args: BENCHES[args.name](args))

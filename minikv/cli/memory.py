@@ -1,0 +1,111 @@
+"""``minikv memory``: KV-cache and weight memory, FLOPs with and without a cache (pure arithmetic).
+
+The command owns the mapping from its flags to ``minikv.costs`` field and
+argument names (``SHAPE_FLAGS``, ``RUN_FLAGS``); the formulas know only the names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from minikv.cli.common import print_json
+from minikv.errors import ConfigError, MinikvError
+
+# flag dest -> ModelShape field, for describing a model by hand (or overriding a preset's field)
+SHAPE_FLAGS = {
+    "layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
+    "heads": "num_heads", "intermediate": "intermediate_size", "vocab": "vocab_size",
+    "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "q_lora_rank": "q_lora_rank",
+    "v_head_dim": "v_head_dim",
+}
+# flag dest -> memory_report argument, where the two names differ or a message may name the argument
+RUN_FLAGS = {"batch": "batch", "prompt_len": "prompt_len", "output_len": "output_len", "dtype": "dtype",
+             "weights_dtype": "weights_dtype", "group_size": "group_size", "scale_bytes": "scale_bytes",
+             "mlp": "mlp", "tied": "tie_embeddings"}
+
+
+def flag_of(name: str) -> str:
+    """The ``minikv memory`` flag that sets field or argument ``name`` (``name`` itself if none does)."""
+    for dest, field in {**SHAPE_FLAGS, **RUN_FLAGS}.items():
+        if field == name:
+            return "--" + dest.replace("_", "-")
+    return name
+
+
+def _naming_flags(e: MinikvError) -> MinikvError:
+    """``e`` again, its message followed by the flags of the fields it names."""
+    names = [n for n in {**SHAPE_FLAGS, **RUN_FLAGS}.values() if re.search(rf"\b{n}\b", str(e))]
+    if not names:
+        return e
+    return type(e)(f"{e} (set by {', '.join(dict.fromkeys(flag_of(n) for n in names))})")
+
+
+def add_memory(sub) -> None:
+    from minikv.costs import DTYPE_BITS, MLP_KINDS, PRESETS
+
+    p = sub.add_parser("memory", help="KV-cache and weight memory; FLOPs per token with and without cache",
+                       description="Memory and FLOPs of a model preset or of a shape given by flags "
+                                   "(flags given with --preset override its fields). Sizes are printed in "
+                                   "decimal GB (1e9 bytes) and binary GiB (2^30 bytes).")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a model whose shape and source minikv knows")
+    p.add_argument("--list-presets", action="store_true", help="print the presets and their sources; exit")
+    p.add_argument("--batch", type=int, default=1, help="sequences in the batch (default 1)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence (default 256)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BITS), default="fp16",
+                   help="KV-cache dtype (default fp16)")
+    p.add_argument("--weights-dtype", choices=sorted(DTYPE_BITS), default=None,
+                   help="weights dtype (default: same as --dtype)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="for fp8/int8/int4 caches: count one scale per this many values (default: no scales)")
+    p.add_argument("--scale-bytes", type=int, default=2, help="bytes per group scale (default 2, one fp16)")
+    g = p.add_argument_group("shape (instead of, or on top of, --preset)")
+    for flag, field in SHAPE_FLAGS.items():
+        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None, dest=flag,
+                       help=f"ModelShape.{field}")
+    g.add_argument("--mlp", choices=MLP_KINDS, default=None, help="MLP kind (default swiglu)")
+    g.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="output head tied to the embedding")
+    p.add_argument("--json", action="store_true", help="also print one JSON line last (kv_cache_bytes, ...)")
+    p.set_defaults(func=_run_memory)
+
+
+def _shape(args):
+    """The ModelShape the flags describe: a preset, a preset with fields overridden, or a custom one."""
+    from minikv.costs import ModelShape, get_preset
+
+    fields = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.mlp is not None:
+        fields["mlp"] = args.mlp
+    if args.tied is not None:
+        fields["tie_embeddings"] = args.tied
+    if args.preset:
+        shape = get_preset(args.preset)
+        if fields:
+            shape = shape.replace(name=f"{shape.name} (modified: {', '.join(sorted(fields))})", source="",
+                                  published_params=None, **fields)
+        return shape
+    if "num_layers" not in fields:
+        raise ConfigError("give --preset NAME (see --list-presets) or at least --layers with --kv-heads and "
+                          "--head-dim (or --kv-lora-rank and --rope-dim for MLA)")
+    return ModelShape(name="custom", **fields)
+
+
+def _run_memory(args) -> int:
+    from minikv.costs import PRESETS, memory_report, render_report
+
+    if args.list_presets:
+        for name, shape in PRESETS.items():
+            print(f"{name:14s} {shape.attention_kind}  {shape.source}")
+        return 0
+    try:
+        shape = _shape(args)
+        rep = memory_report(shape, args.batch, args.prompt_len, args.output_len, args.dtype, args.weights_dtype,
+                            args.group_size, args.scale_bytes)
+    except MinikvError as e:
+        raise _naming_flags(e) from e
+    print(render_report(rep, shape, field_label=flag_of))
+    if args.json:
+        print_json(rep)
+    return 0

@@ -1,0 +1,120 @@
+"""``minikv generate`` and ``minikv demo``: text from SmolLM2, with and without a KV cache."""
+
+from __future__ import annotations
+
+import sys
+
+from minikv.cli.common import add_model_flag, load_model_arg, print_json, progress
+from minikv.generate import CACHE_KINDS
+
+
+def cache_help() -> str:
+    """The ``--cache`` help, from the registry's descriptions."""
+    return "; ".join(f"{name} = {kind.description}" for name, kind in CACHE_KINDS.items())
+
+
+def generate_streaming(model, tok, prompt_ids, max_new_tokens: int, bar: str | None = None, **kwargs):
+    """``minikv.generate.generate``, printing the text; returns the GenerationResult.
+
+    Without ``bar`` the text streams to stdout token by token. With ``bar`` (its
+    label) a progress bar counts the tokens on stderr and the text is printed
+    when the run is done, so the two never interleave on a terminal.
+    """
+    from minikv.generate import generate
+
+    printer = tok.stream_decoder(skip_special_tokens=True)
+    if bar is None:
+        res = generate(model, prompt_ids, max_new_tokens,
+                       on_token=lambda t: print(printer.push(t), end="", flush=True), **kwargs)
+        print(printer.flush())
+        return res
+    pieces = []
+    with progress(max_new_tokens, bar) as ticks:
+        def on_token(t):
+            pieces.append(printer.push(t))
+            ticks.update(1)
+
+        res = generate(model, prompt_ids, max_new_tokens, on_token=on_token, **kwargs)
+    print("".join(pieces) + printer.flush())
+    return res
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with SmolLM2, with or without a KV cache")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's ChatML chat template")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-k/top-p)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous", help=cache_help())
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
+    p.add_argument("--json", action="store_true", help="print one JSON line last with ids, text and timings")
+    add_model_flag(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from minikv.generate import SamplingParams, check_context
+
+    sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    model, tok = load_model_arg(args.model)
+    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
+    check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
+                             block_size=args.block_size)
+    print(f"[{args.cache} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
+          f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
+          file=sys.stderr)
+    if args.json:
+        print_json({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids,
+                    "text": tok.decode(res.token_ids, skip_special_tokens=True),
+                    "prefill_s": res.prefill_s, "decode_tokens_per_s": res.decode_tokens_per_s,
+                    "cache": args.cache, "finish_reason": res.finish_reason})
+    return 0
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="generate with SmolLM2 twice, without and with the KV cache; compare speeds")
+    p.add_argument("--prompt", default="Explain in one paragraph why the sky is blue.")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_model_flag(p)
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from minikv.bench.machine import describe, machine_info
+    from minikv.generate import GREEDY, check_context
+
+    model, tok = load_model_arg(args.model)
+    prompt_ids = encode_prompt(tok, args.prompt, chat=True)
+    check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    print(f"SmolLM2-135M, greedy, prompt of {len(prompt_ids)} tokens (chat template), "
+          f"up to {args.max_new_tokens} new tokens\n")
+    runs = {}
+    for cache in ("none", "contiguous"):
+        label = "without KV cache (recompute everything)" if cache == "none" else "with contiguous KV cache"
+        print(f"--- {label}")
+        # the uncached run is the slow one (about a minute on a busy machine): it gets a progress bar
+        res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=cache, sampling=GREEDY,
+                                 bar="no cache" if cache == "none" else None)
+        total = res.prefill_s + res.decode_s
+        print(f"    {len(res.token_ids)} tokens in {total:.2f} s: prefill {res.prefill_s:.3f} s, "
+              f"decode {res.decode_tokens_per_s:.1f} tokens/s\n")
+        runs[cache] = res
+    same = runs["none"].token_ids == runs["contiguous"].token_ids
+    ratio = runs["contiguous"].decode_tokens_per_s / runs["none"].decode_tokens_per_s
+    print(f"decode speed-up from the cache: {ratio:.1f}x  (identical tokens: {same})")
+    print(describe(machine_info()))
+    return 0 if same else 1

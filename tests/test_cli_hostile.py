@@ -1,0 +1,178 @@
+"""Hostile arguments to every subcommand: exit 2, one line on stderr that names the flag, never a traceback.
+
+No model runs here. Every hostile value is refused before a model loads; the
+argv that would otherwise run points ``--model`` at a file that is no model, so
+a value that slipped through would be refused for ``--model`` instead, and the
+test would fail on the flag it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minikv.cli import build_parser, main
+from minikv.cli.common import FLOAT_FLAGS, INT_FLAGS
+
+# text that int() refuses (" 7 ", "1_0" and other scripts' digits are integers to Python, so not here)
+NOT_INTS = ["", "abc", "1.5", "1e3", "0x10", "--", "nan", "½", "1 2", "+-1"]
+NOT_FLOATS = ["", "abc", "nan", "inf", "-inf", "1e999", "-1e999", "0x1p3", "1,5"]
+MODEL_FILES = {"missing": None, "directory": None, "empty": b"", "junk": b"\x8c\x08\xbf\x22 not a model",
+               "gguf junk": b"GGUF" + bytes(range(256)) * 4}
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory) -> dict[str, str]:
+    """kind -> a --model path that is not a usable GGUF file."""
+    root = tmp_path_factory.mktemp("bad_models")
+    paths = {"missing": root / "nope.gguf", "directory": root}
+    for kind, data in MODEL_FILES.items():
+        if data is not None:
+            paths[kind] = root / f"{kind.replace(' ', '_')}.gguf"
+            paths[kind].write_bytes(data)
+    return {kind: str(p) for kind, p in paths.items()}
+
+
+def base_argv(command: str, bad_model: str) -> list[str]:
+    """An argv of ``command`` that would run (a benchmark, or up to loading ``bad_model``)."""
+    return {"generate": ["generate", "--prompt", "hi", "--model", bad_model],
+            "demo": ["demo", "--model", bad_model],
+            "memory": ["memory", "--preset", "smollm2-135m"],
+            "compare": ["compare", "--prompt", "hi", "--backend", "sim", "--model", bad_model],
+            "bench": ["bench", "batching", "--requests=1"]}[command]
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _flags() -> list[tuple[str, str, str, tuple]]:
+    """(command, flag, kind, choices) for every option that takes a value, and bench's positional name."""
+    out = []
+    for command, p in _subparsers().items():
+        for a in p._actions:
+            if not a.option_strings:
+                if a.choices:
+                    out.append((command, a.dest, "positional", tuple(a.choices)))
+                continue
+            flag = a.option_strings[-1]
+            if a.nargs == 0 or flag in ("--help", "-h"):
+                continue  # store_true / --tied: nothing hostile to pass
+            if a.choices:
+                out.append((command, flag, "choice", tuple(a.choices)))
+            elif a.type is int:
+                out.append((command, flag, "int", ()))
+            elif a.type is float:
+                out.append((command, flag, "float", ()))
+            elif flag == "--model":
+                out.append((command, flag, "model", ()))
+            elif flag == "--prompt":
+                out.append((command, flag, "text", ()))
+            else:
+                out.append((command, flag, "unknown", ()))
+    return out
+
+
+FLAGS = _flags()
+
+
+def test_every_flag_has_a_rule():
+    """A new integer or float flag cannot skip the checks: the table must have a row for it."""
+    assert {c for c, *_ in FLAGS} == {"generate", "demo", "memory", "compare", "bench"}
+    for command, flag, kind, _ in FLAGS:
+        assert kind != "unknown", f"{command} {flag}: no hostile values defined for it"
+        if kind == "int":
+            assert flag in INT_FLAGS, f"{command} {flag} has no row in INT_FLAGS"
+        if kind == "float":
+            assert flag in FLOAT_FLAGS, f"{command} {flag} has no row in FLOAT_FLAGS"
+
+
+def hostile(kind: str, flag: str, choices: tuple) -> st.SearchStrategy[str]:
+    """Values of ``flag`` that must be refused."""
+    if kind == "int":
+        lo, hi, _ = INT_FLAGS[flag]
+        return st.one_of(st.integers(max_value=lo - 1).map(str), st.integers(min_value=hi + 1).map(str),
+                         st.sampled_from(NOT_INTS))
+    if kind == "float":
+        lo, hi, inclusive, _ = FLOAT_FLAGS[flag]
+        below = st.floats(max_value=lo, exclude_max=inclusive, allow_nan=False, allow_infinity=False)
+        above = st.floats(min_value=hi, exclude_min=True, allow_nan=False) if math.isfinite(hi) else st.nothing()
+        return st.one_of(below.map(repr), above.map(repr), st.sampled_from(NOT_FLOATS))
+    if kind == "choice":
+        return st.text(max_size=12).filter(lambda s: s not in choices)
+    if kind == "positional":  # a leading '-' would make it an option (and -h prints help)
+        return st.text(max_size=12).filter(lambda s: s not in choices and not s.startswith("-"))
+    if kind == "model":
+        return st.sampled_from(sorted(MODEL_FILES))
+    return st.just("")  # --prompt
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``minikv argv`` in-process: (exit code, stdout, stderr); argparse's SystemExit is an exit code too."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def hostile_argv(command: str, flag: str, kind: str, value: str, bad_models: dict) -> list[str]:
+    argv = base_argv(command, bad_models["junk"])
+    if kind == "positional":
+        return [command, value] + argv[2:]
+    if kind == "model":
+        value = bad_models[value]
+    return argv + [f"{flag}={value}"]  # --flag=value: a value that starts with '-' stays a value
+
+
+def assert_refused(argv: list[str], names: str) -> str:
+    rc, out, err = run_cli(argv)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, f"{argv}: traceback\n{err}"
+    assert rc == 2, f"{argv}: exit {rc}, stderr {err!r}"
+    assert len(lines) == 1 and "error" in lines[0], f"{argv}: stderr is not one error line: {err!r}"
+    assert names in lines[0], f"{argv}: the error does not name {names}: {lines[0]}"
+    assert out == "", f"{argv}: printed {out!r} before refusing"
+    return lines[0]
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_hostile_arguments_are_refused_in_one_line(data, bad_models):
+    command, flag, kind, choices = data.draw(st.sampled_from(FLAGS), label="flag")
+    value = data.draw(hostile(kind, flag, choices), label="value")
+    assert_refused(hostile_argv(command, flag, kind, value, bad_models), flag)
+
+
+def _edge_values(kind: str, flag: str) -> list[str]:
+    if kind == "int":
+        lo, hi, _ = INT_FLAGS[flag]
+        return [str(lo - 1), str(hi + 1), "abc"]
+    if kind == "float":
+        return ["nan", "inf", repr(FLOAT_FLAGS[flag][0] - 1)]
+    if kind in ("choice", "positional"):
+        return ["bogus", ""] if kind == "choice" else ["bogus"]
+    return sorted(MODEL_FILES) if kind == "model" else [""]
+
+
+@pytest.mark.parametrize("command, flag, kind, choices", FLAGS, ids=[f"{c} {f}" for c, f, *_ in FLAGS])
+def test_every_flag_refuses_its_edges(command, flag, kind, choices, bad_models):
+    """Each flag's nearest bad values, deterministically (the property test samples the rest)."""
+    for value in _edge_values(kind, flag):
+        assert_refused(hostile_argv(command, flag, kind, value, bad_models), flag)
+
+
+def test_a_length_past_the_context_is_refused_before_the_model_is_built():
+    line = assert_refused(["compare", "--prompt", "hi", "--random", "--backend", "sim",
+                           "--max-new-tokens", "100000000"], "--max-new-tokens")
+    assert "max_position=8192" in line and "<= 8191" in line
