@@ -21,78 +21,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_int
+from minikv.errors import ConfigError, InvalidInputError, check_int
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
-
-# --- sampling ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token from the logits.
-
-    greedy:      always the argmax (temperature/top_k/top_p ignored)
-    temperature: divide logits by it before the softmax (> 0)
-    top_k:       keep the k most likely tokens (0 = all)
-    top_p:       keep the smallest set whose probability mass reaches top_p (1.0 = all)
-    seed:        seeds the sampler's random generator, for reproducible runs (None: fresh entropy)
-    """
-
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise InvalidInputError(f"temperature={self.temperature}; it must be > 0 (use greedy=True for argmax)")
-        check_int("top_k", self.top_k, minimum=0, error=InvalidInputError, hint="use 0 (off) or a positive integer")
-        if not 0 < self.top_p <= 1:
-            raise InvalidInputError(f"top_p={self.top_p}; it must lie in (0, 1]")
-        if self.seed is not None:
-            check_int("seed", self.seed, minimum=0, error=InvalidInputError, hint="or None for a fresh seed")
-
-    def new_rng(self) -> np.random.Generator:
-        """The generator for one sequence: make it once, pass it to every ``sample`` call of that sequence."""
-        return np.random.default_rng(self.seed)
-
-
-GREEDY = SamplingParams(greedy=True)
-
-
-def sample(logits: np.ndarray, params: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> int:
-    """Pick one token id from logits: [V] (one sequence's last row).
-
-    Greedy needs no ``rng`` (``sample(row)`` is the argmax). Sampling draws from
-    ``rng``, which the caller keeps per sequence (``params.new_rng()``) so that a
-    seeded run is reproducible whatever else runs beside it.
-    """
-    logits = np.asarray(logits)
-    if logits.ndim != 1 or logits.size == 0:
-        raise ShapeError(f"logits.shape={logits.shape}; sample one sequence's row of logits [V] at a time")
-    if params.greedy:
-        return int(np.argmax(logits))
-    if rng is None:
-        raise InvalidInputError("sampling needs rng=params.new_rng(), made once per sequence (greedy needs none)")
-    z = logits.astype(np.float64) / params.temperature  # float64: the cumulative sum below must not drift
-    if params.top_k and params.top_k < z.size:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # keep every token up to and including the one that pushes the mass past top_p
-        keep = order[: int(np.searchsorted(cum, params.top_p)) + 1]
-        mask = np.zeros_like(p, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return int(rng.choice(p.size, p=p))
-
+from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
 
 # --- the cache kinds -------------------------------------------------------------------------
 

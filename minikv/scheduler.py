@@ -57,6 +57,7 @@ import numpy as np
 from minikv.errors import CacheFullError, ConfigError, InvalidInputError, check_choice, check_int
 from minikv.model import Model
 from minikv.paged import PagedKVCache, num_blocks_for
+from minikv.sampling import GREEDY, SamplingParams, sample
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -70,17 +71,15 @@ class Request:
     max_new_tokens: stop after this many generated tokens (>= 1)
     eos_token_id:   stop after generating this token (None: never; pass
                     ``model.config.eos_token_id`` for the usual behaviour)
+    sampling:       how to pick its tokens (``minikv.sampling``; default greedy). A seeded
+                    request gives the tokens ``generate`` gives it alone: it keeps its own rng.
     """
 
     id: Hashable
     prompt_ids: Sequence[int]
     max_new_tokens: int
     eos_token_id: int | None = None
-
-
-def greedy(logits: np.ndarray, request: Request) -> int:
-    """The default ``sample_fn``: argmax of logits [V]."""
-    return int(np.argmax(logits))
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass
@@ -94,6 +93,7 @@ class _Seq:
     num_computed: int = 0
     state: str = "waiting"  # waiting | running | swapped | finished
     admitted_once: bool = False
+    rng: np.random.Generator | None = None  # this request's sampler state (None for greedy)
 
     @property
     def output(self) -> list:
@@ -185,15 +185,19 @@ class Scheduler:
     preemption:       "recompute" or "swap" (swap needs ``num_host_blocks`` > 0 on the cache)
     max_num_seqs:     most sequences running at once
     max_step_tokens:  most tokens in one forward pass (None: no limit); longer prompts are chunked
-    sample_fn:        ``sample_fn(logits [V], request) -> token id``; default greedy argmax
+    sample_fn:        ``sample_fn(logits [V], request) -> token id`` replaces the requests'
+                      own ``sampling`` (None: ``minikv.sampling.sample`` with each request's params)
     policy:           the memory policy (default ``PagedPolicy``; see the module docstring)
     watermark_blocks: keep this many blocks free when admitting, so that a fresh
                       admission does not force a preemption at the very next step
+    progress:         ``progress(n)`` is called after every step with the tokens it generated
+                      (e.g. a tqdm bar's ``update``); None: no progress reporting
     """
 
     def __init__(self, model: Model, cache: PagedKVCache, preemption: str = "recompute", max_num_seqs: int = 256,
                  max_step_tokens: int | None = None, sample_fn: Callable | None = None,
-                 policy: PagedPolicy | None = None, watermark_blocks: int = 0):
+                 policy: PagedPolicy | None = None, watermark_blocks: int = 0,
+                 progress: Callable[[int], object] | None = None):
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"the scheduler needs a PagedKVCache, got {type(cache).__name__}")
         c = model.config
@@ -205,10 +209,12 @@ class Scheduler:
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
         self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, minimum=0)
         self.max_step_tokens = None if max_step_tokens is None else check_int("max_step_tokens", max_step_tokens)
-        if sample_fn is not None and not callable(sample_fn):
-            raise ConfigError(f"sample_fn={sample_fn!r} must be callable as sample_fn(logits, request)")
+        for name, fn, use in (("sample_fn", sample_fn, "sample_fn(logits, request)"),
+                              ("progress", progress, "progress(num_tokens)")):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{name}={fn!r} must be callable as {use}")
         self.model, self.cache = model, cache
-        self.sample_fn = greedy if sample_fn is None else sample_fn
+        self.sample_fn, self.progress = sample_fn, progress
         self.policy = PagedPolicy() if policy is None else policy
         self.policy.bind(cache)
         self.waiting: list = []          # _Seq, sorted by arrival
@@ -242,7 +248,10 @@ class Scheduler:
             raise CacheFullError(f"request {request.id!r} may need {need} blocks but the pool has only "
                                  f"{self.cache.num_blocks}; build a larger cache or lower max_new_tokens")
         self.policy.check(request, longest)
-        seq = _Seq(request, self._arrivals, prompt.tolist(), prompt.size)
+        if not isinstance(request.sampling, SamplingParams):
+            raise InvalidInputError(f"request {request.id!r}: sampling={request.sampling!r}; "
+                                    "pass a minikv.sampling.SamplingParams")
+        seq = _Seq(request, self._arrivals, prompt.tolist(), prompt.size, rng=request.sampling.new_rng())
         self._arrivals += 1
         self._all[request.id] = seq
         self.waiting.append(seq)  # arrivals only grow, so the list stays sorted
@@ -273,7 +282,7 @@ class Scheduler:
         2. swap in, then admit waiting requests in arrival order (skipped after a preemption);
         3. one forward pass over everything scheduled, then sample and retire.
         """
-        t0 = time.perf_counter()
+        t0, generated = time.perf_counter(), self.stats.generated_tokens
         seqs, nums, preempted = self._fit_running()
         if not preempted:
             free = self.cache.num_free_blocks - self._blocks_for(seqs, nums)
@@ -295,6 +304,8 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.forward_tokens += sum(nums)
         self.stats.wall_s += time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(self.stats.generated_tokens - generated)
         return [s.request.id for s in done]
 
     def _budget(self) -> float:
@@ -388,7 +399,10 @@ class Scheduler:
             s.num_computed += n
             if s.pending:  # a prefill chunk: the prompt is not finished yet
                 continue
-            tok = int(self.sample_fn(row, s.request))
+            if self.sample_fn is None:
+                tok = sample(row, s.request.sampling, s.rng)
+            else:
+                tok = int(self.sample_fn(row, s.request))
             s.tokens.append(tok)
             self.cache.extend_token_ids(s.request.id, [tok])
             self.stats.generated_tokens += 1
@@ -406,4 +420,4 @@ class Scheduler:
         self.stats.finished += len(done)
 
 
-__all__ = ["PREEMPTION_MODES", "PagedPolicy", "Request", "Scheduler", "SchedulerStats", "greedy"]
+__all__ = ["PREEMPTION_MODES", "PagedPolicy", "Request", "Scheduler", "SchedulerStats"]

@@ -234,3 +234,27 @@ def test_cli_bench_batching_prints_one_json_line_last(capsys):
     assert {"utilization", "max_concurrency", "preemptions", "prefix_hit_rate",
             "throughput_tokens_per_s"} <= set(res["paged"])
     assert res["requests_lost"] == 0
+
+
+@pytest.mark.parametrize("num_blocks", [9, 200])
+def test_seeded_sampling_in_a_batch_gives_the_tokens_generate_gives_alone(num_blocks):
+    """One sampler (minikv.sampling) for both loops: each request keeps its own rng, so batching,
+    preemption and the order of service cannot change what a seeded request draws."""
+    from minikv.generate import generate
+    from minikv.sampling import SamplingParams
+
+    reqs = [Request(f"s{i}", r.prompt_ids, r.max_new_tokens,
+                    sampling=SamplingParams(temperature=1.5, top_k=20, top_p=0.95, seed=i))
+            for i, r in enumerate(REQUESTS[:6])]
+    ticks = []
+    s = scheduler(num_blocks, progress=ticks.append)
+    got = s.run(reqs)
+    for r in reqs:
+        assert got[r.id] == generate(MODEL, r.prompt_ids, r.max_new_tokens, sampling=r.sampling).token_ids
+    assert sum(ticks) == sum(r.max_new_tokens for r in reqs) == s.stats.generated_tokens
+    assert len(ticks) == s.stats.steps
+    assert any(got[r.id] != UNLIMITED[REQUESTS[i].id] for i, r in enumerate(reqs))  # it did sample
+    if num_blocks == 9:
+        assert s.stats.preemptions > 0
+    with pytest.raises(InvalidInputError, match="SamplingParams"):
+        s.add_request(Request("x", [1], 1, sampling="greedy"))

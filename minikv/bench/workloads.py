@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -108,21 +109,27 @@ class Workload:
         return out
 
 
+def bench_model(workload: Workload) -> Model:
+    """The tiny random model the batching benchmark runs by default (2 layers: seconds, not minutes)."""
+    from minikv.model import random_model
+
+    return random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=workload.vocab_size, max_position=2048, seed=workload.seed)
+
+
 def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 4 << 20, block_size: int = 16,
-                       preemption: str = "recompute", model: Model | None = None) -> dict:
+                       preemption: str = "recompute", model: Model | None = None,
+                       progress: Callable[[int], object] | None = None) -> dict:
     """Run one workload twice on the same KV budget — paged, and contiguous (reserve max_len) — and compare.
 
     The model defaults to a tiny random one (``random_model``, 2 layers) so the
     run takes seconds; memory behaviour does not depend on the model's size,
     only on bytes per token. Returns a dict with ``paged``, ``contiguous`` and
-    ``concurrency_ratio`` (paged / contiguous max concurrent sequences).
+    ``concurrency_ratio`` (paged / contiguous max concurrent sequences). ``progress(n)``
+    hears of every generated token of both runs (``2 * sum(max_new_tokens)`` in all).
     """
-    from minikv.model import random_model
-
     wl = workload or Workload()
-    if model is None:
-        model = random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                             intermediate_size=96, vocab_size=wl.vocab_size, max_position=2048, seed=wl.seed)
+    model = bench_model(wl) if model is None else model
     if model.config.max_position < wl.max_len:
         raise ConfigError(f"model max_position={model.config.max_position} < workload max_len={wl.max_len}")
     per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim \
@@ -137,7 +144,8 @@ def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 
                              dtype=model.dtype, enable_prefix_caching=paged,
                              num_host_blocks=num_blocks if paged and preemption == "swap" else 0)
         policy = None if paged else ReserveMaxLen(num_blocks_for(wl.max_len, block_size) * block_size)
-        sched = Scheduler(model, cache, preemption=preemption if paged else "recompute", policy=policy)
+        sched = Scheduler(model, cache, preemption=preemption if paged else "recompute", policy=policy,
+                          progress=progress)
         t0 = time.perf_counter()
         outputs[side] = sched.run(reqs)
         results[side] = _side_summary(sched, time.perf_counter() - t0)
@@ -207,4 +215,4 @@ def format_benchmark(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ReserveMaxLen", "Workload", "batching_benchmark", "format_benchmark"]
+__all__ = ["ReserveMaxLen", "Workload", "bench_model", "batching_benchmark", "format_benchmark"]

@@ -8,35 +8,6 @@ from minikv.cli.common import print_json, progress
 from minikv.errors import CacheFullError, InvalidInputError
 
 
-class _TickingModel:
-    """A ``Model`` whose forward passes advance a progress bar by one per sequence in the batch.
-
-    Stands in for a progress hook in ``minikv.scheduler``: the scheduler reads only
-    ``config``, ``dtype``, ``new_cache_args``, ``check_tokens`` and ``forward``, and
-    the wrapper passes every one of them through unchanged.
-    """
-
-    def __init__(self, model, bar):
-        self._model, self._bar = model, bar
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def forward(self, tokens, cache, seq_ids=None, all_logits=False):
-        out = self._model.forward(tokens, cache, seq_ids, all_logits)
-        self._bar.update(len(tokens))  # each sequence of an unchunked step yields one token
-        return out
-
-
-def _bench_model(workload):
-    """The tiny random model ``batching_benchmark`` runs by default (2 layers: seconds, not minutes)."""
-    from minikv.model import random_model
-
-    return random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                        intermediate_size=96, vocab_size=workload.vocab_size, max_position=2048,
-                        seed=workload.seed)
-
-
 def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None:
     """Refuse (naming the flags) a budget too small for one longest request, or larger than the machine has."""
     from minikv.generate import available_memory_bytes
@@ -59,10 +30,10 @@ def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None
 
 def _bench_batching(args) -> int:
     from minikv.bench.machine import describe, machine_info
-    from minikv.bench.workloads import Workload, batching_benchmark, format_benchmark
+    from minikv.bench.workloads import Workload, batching_benchmark, bench_model, format_benchmark
 
     workload = Workload(num_requests=args.requests, seed=args.seed)
-    model = _bench_model(workload)
+    model = bench_model(workload)
     c = model.config
     budget = int(args.kv_budget_mib * 2**20)
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
@@ -72,7 +43,7 @@ def _bench_batching(args) -> int:
     try:
         with progress(total, "bench batching") as bar:
             res = batching_benchmark(workload, kv_budget_bytes=budget, block_size=args.block_size,
-                                     preemption=args.preemption, model=_TickingModel(model, bar))
+                                     preemption=args.preemption, model=model, progress=bar.update)
     except CacheFullError as e:
         raise CacheFullError(f"--kv-budget-mib={args.kv_budget_mib:g} is too small for this workload: {e}") from e
     print(format_benchmark(res))
