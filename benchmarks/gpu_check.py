@@ -228,7 +228,9 @@ def _reference_out(rt, cache, q, k_new, v_new, case: AttnCase, sample: int) -> n
 
 
 def time_decode_attention(rt, case: AttnCase, timer: Timer, copy_gbs: float, rng) -> dict:
-    """Check then time decode_attention_v1 (auto split and unsplit), v2 (fused) and torch SDPA."""
+    """Check then time the contiguous cache's decode attention and torch SDPA. Keys: "v1" the automatic
+    choice (decode_attention_v1, or decode_attention_v2 + attention_reduce_v2 when it splits), "v1 unsplit"
+    decode_attention_v1, "v2 fused" rope_write_attend_v1/v2 (the fused kernel, automatic split)."""
     xp = rt.xp
     d, hq, hkv, b = case.head_dim, case.num_heads, case.num_kv_heads, case.batch
     n_sets = max(2, -(-3 * _l2_bytes(rt) // case.kv_bytes()))
@@ -541,7 +543,7 @@ def format_markdown(report: dict) -> str:
                      f"{r['v2 fused']['gb_per_s']:.0f} | {sdpa_us} | {sdpa_gbs} |")
     sweeps = [r for r in report.get("attention", []) if r.get("split_sweep_ms")]
     if sweeps:
-        lines += ["", "split sweep (decode_attention_v1 median us by number of key ranges):", "",
+        lines += ["", "split sweep (decode_attention_v2 + reduce median us by number of key ranges; 1: v1):", "",
                   "| case | cache | " + " | ".join(str(n) for n in SPLIT_SWEEP) + " |",
                   "|---|---|" + "---|" * len(SPLIT_SWEEP)]
         for r in sweeps:

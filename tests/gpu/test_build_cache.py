@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minikv.errors import KernelCompileError
-from minikv_gpu import cpu_sim
+from minikv_gpu import cpu_sim, runtime
 from minikv_gpu.cpu_sim.build import includes_digest, local_includes
 
 SOURCE = """#include "value.cuh"
@@ -56,3 +56,29 @@ def test_editing_an_included_header_recompiles(sim_rt, tree):
         _run_fill(tree)
     (tree / "inner.cuh").write_text(_inner("1.0f"))  # back as it was: the first module again
     assert _run_fill(tree) == 1.0
+
+
+class _FakeCupy:
+    """Just enough of cupy for CupyRuntime._compile: records the code handed to RawModule."""
+
+    ndarray = np.ndarray
+    codes: list
+
+    class RawModule:
+        def __init__(self, code, options):
+            _FakeCupy.codes.append(code)
+
+        def get_function(self, name):
+            return object()
+
+
+def test_cupy_module_cache_key_covers_headers(tree):
+    """CuPy's own disk cache hashes the code it is given: that code must change with a header."""
+    _FakeCupy.codes = []
+    rt = runtime.CupyRuntime(_FakeCupy)
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)  # cached: no second RawModule
+    (tree / "inner.cuh").write_text(_inner("2.0f"))
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)
+    assert len(_FakeCupy.codes) == 2 and _FakeCupy.codes[0] != _FakeCupy.codes[1]
+    assert all(code.startswith(SOURCE) for code in _FakeCupy.codes)  # line numbers unchanged
