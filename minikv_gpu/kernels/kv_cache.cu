@@ -67,8 +67,8 @@ extern "C" __global__ void cache_write_v1(const float* __restrict__ k_new, const
     const int h = (int)((i % per_token) / (HEAD_DIM / VEC));
     const int d = (int)(i % (HEAD_DIM / VEC)) * VEC;
     const long long src = ((long long)n * n_kv_heads + h) * HEAD_DIM + d;
-    const long long dst = cache_offset(layer, slot[n], h, max_seqs, n_kv_heads, max_len) + (long long)pos[n] * HEAD_DIM
-                          + d;
+    const long long head = cache_offset(layer, slot[n], h, max_seqs, n_kv_heads, max_len);
+    const long long dst = head + (long long)pos[n] * HEAD_DIM + d;
     write_kv8(k_new, v_new, src, k_cache, v_cache, dst);
 }
 
@@ -109,9 +109,8 @@ __device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWr
 // or as split partial (n, h*G + warp, z) (v2, part_m != nullptr).
 __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float* q, const RopeWrite& f,
                                                 const cache_t* k_cache, const cache_t* v_cache, const int* pos,
-                                                int n_kv_heads,
-                                                float scale, float* out, float* part_m, float* part_l,
-                                                float* part_acc, int n_splits) {
+                                                int n_kv_heads, float scale, float* out, float* part_m,
+                                                float* part_l, float* part_acc, int n_splits) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     extern __shared__ float q_s[];                            // [G][D]
