@@ -32,8 +32,11 @@
 //   v2  split-K (flash-decoding, vLLM's v2): a decode step with few sequences still fills the GPU.
 //   rope_write_attend_v1/v2 were decode_attention_v2 (one kernel, split by grid z): "fused" is an
 //       op of its own, not a version of decode attention.
-//   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json): 0
-//   spills and no stack frame for every kernel, D=64/128, fp32/fp16 caches, sm_80 and sm_90.
+//   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
+//   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
+//   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
+//   kernel, 32-40), rope_write_attend_v1 36-41, rope_write_attend_v2 34-44, attention_reduce_v2
+//   31-32 (the old combine: 30-32); 0 spills and no stack frame anywhere.
 //
 // Offsets into the cache are computed in 64-bit: L*max_seqs*Hkv*max_len*D passes 2^31
 // easily (30 layers * 64 seqs * 3 heads * 8192 positions * 64 dims = 3.0e9).

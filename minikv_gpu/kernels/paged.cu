@@ -27,8 +27,11 @@
 //   v2  split-K (vLLM's v2, flash-decoding). Its partitions used to write partials normalized by
 //       their own sum, merged by paged_attention_reduce_v2 with weights exp(m_i - m) * l_i; they
 //       now write split_k.cuh's unnormalized (m, l, acc), merged by the shared attention_reduce_v2.
-//   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json): 0
-//   spills and no stack frame for every kernel, D=64/128, fp32/fp16 pools, sm_80 and sm_90.
+//   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
+//   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
+//   v2 31-43 (before the shared core: 32-48 both), attention_reduce_v2 31-32 (the old
+//   paged_attention_reduce_v2: 31-32), reshape_and_cache 30, copy_blocks 26-28; 0 spills and no
+//   stack frame anywhere.
 //
 // Packed queries. The attention kernels take one query row per *token*, with the sequence it
 // belongs to (token_seq[n]) and its position (token_pos[n]: it sees keys 0 .. token_pos[n]). In
