@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minikv.corpus import reference_tokens
+from minikv.bench.corpus import reference_tokens
+from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import generate
 from minikv.gguf import find_model_file, load_model
 from minikv.kv_cache import ContiguousKVCache, NoCache
-from minikv.machine import describe, machine_info, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -207,7 +207,7 @@ def main() -> int:
     rows = build_report(nvcc)
     print(format_table(rows))
     sys.path.insert(0, str(ROOT))
-    from minikv.machine import machine_info, write_result
+    from minikv.bench.machine import machine_info, write_result
 
     lib = find_nvrtc()
     nvrtc = nvrtc_report(lib) if lib else []

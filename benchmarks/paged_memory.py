@@ -1,6 +1,6 @@
 """KV memory under continuous batching: paged blocks vs a contiguous cache reserving max length.
 
-One synthetic workload (``minikv.scheduler.Workload``: lognormal prompt and
+One synthetic workload (``minikv.bench.workloads.Workload``: lognormal prompt and
 output lengths, a 64-token system prompt on half of the requests) runs through
 the same scheduler twice at the same KV budget in bytes:
 
@@ -26,8 +26,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from minikv.machine import describe, machine_info, write_result
-from minikv.scheduler import Workload, batching_benchmark, format_benchmark
+from minikv.bench.machine import describe, machine_info, write_result
+from minikv.bench.workloads import Workload, batching_benchmark, format_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 DETERMINISTIC = ("utilization", "max_concurrency", "mean_concurrency", "steps", "generated_tokens",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minikv import online_softmax
 from minikv.errors import ConfigError, DTypeError, ShapeError
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -115,9 +116,6 @@ def attention_weights(q: np.ndarray, k: np.ndarray, causal: bool = True) -> np.n
     return _grouped_probs(q, k, causal).reshape(*q.shape[:-1], k.shape[-2])
 
 
-QUERY_TILE = 64  # query rows per tile in long causal attention (see causal_attention)
-
-
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
                      check: bool = True) -> np.ndarray:
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
@@ -129,23 +127,15 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool =
     ``check=False`` skips input validation, for callers (the caches) that
     already validated their arrays and call this once per layer per token.
 
-    Long causal inputs (a prefill, or the no-cache baseline) are processed in
-    tiles of ``QUERY_TILE`` queries. Tile ``[t0, t1)`` can only see keys up to
-    position ``S - T + t1 - 1``, so the keys after it are skipped instead of
-    being scored and masked away (about half of a causal T x T square), and
-    each tile's scores stay small enough to live in the CPU cache. On the
-    benchmark machine this made a 1024-token prefill's attention ~3x faster.
-    The result is the same up to float rounding; only the order of work changes.
+    This is the textbook form: the whole [T, S] score matrix at once. Long causal
+    inputs (more than ``online_softmax.QUERY_TILE`` queries: a prefill, or the
+    no-cache baseline) go through ``online_softmax.attend_contiguous`` instead,
+    which walks tiles of queries and keys and skips the keys a tile cannot see
+    (about half of a causal T x T square), keeping each tile's scores in the CPU
+    cache. The result is the same up to float rounding; only the order of work changes.
     """
     if check:
         check_qkv(q, k, v)
-    t, s = q.shape[-2], k.shape[-2]
-    if not causal or t <= QUERY_TILE:
-        return (_grouped_probs(q, k, causal) @ v).reshape(q.shape)  # [..., Hkv, G*T, D] -> [..., Hq, T, D]
-    out = np.empty_like(q)
-    for t0 in range(0, t, QUERY_TILE):
-        t1 = min(t0 + QUERY_TILE, t)
-        end = s - t + t1  # keys 0..end-1 are all this tile may see; its queries are their last t1 - t0
-        q_tile = q[..., t0:t1, :]
-        out[..., t0:t1, :] = (_grouped_probs(q_tile, k[..., :end, :], True) @ v[..., :end, :]).reshape(q_tile.shape)
-    return out
+    if causal and q.shape[-2] > online_softmax.QUERY_TILE:
+        return online_softmax.attend_contiguous(q, k, v)
+    return (_grouped_probs(q, k, causal) @ v).reshape(q.shape)  # [..., Hkv, G*T, D] -> [..., Hq, T, D]

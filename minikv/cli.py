@@ -105,9 +105,9 @@ def _add_demo(sub) -> None:
 
 
 def _run_demo(args) -> int:
+    from minikv.bench.machine import describe, machine_info
     from minikv.generate import GREEDY
     from minikv.gguf import load_model
-    from minikv.machine import describe, machine_info
 
     model, tok = load_model(args.model)
     prompt_ids = _encode_prompt(tok, args.prompt, chat=True)
@@ -273,8 +273,8 @@ def _run_compare(args) -> int:
 # --- bench ---------------------------------------------------------------------------------
 
 def _bench_batching(args) -> int:
-    from minikv.machine import describe, machine_info
-    from minikv.scheduler import Workload, batching_benchmark, format_benchmark
+    from minikv.bench.machine import describe, machine_info
+    from minikv.bench.workloads import Workload, batching_benchmark, format_benchmark
 
     res = batching_benchmark(Workload(num_requests=args.requests, seed=args.seed),
                              kv_budget_bytes=int(args.kv_budget_mib * 2**20), block_size=args.block_size,

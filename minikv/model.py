@@ -5,6 +5,11 @@ positions of the new tokens, hands each layer's rotated keys and values to
 ``cache.write`` and gets attention back from ``cache.attend``
 (see ``minikv.kv_cache``).
 
+Each decoder layer is two residual lines (pre-norm, as in nanoGPT)::
+
+    x = x + attention_block(x, ...)   # RMSNorm -> Q/K/V -> RoPE -> cache -> attention -> Wo
+    x = x + mlp_block(x, ...)         # RMSNorm -> SwiGLU -> W_down
+
 Shapes: tokens of all sequences in a forward pass are packed along one axis N
 (no padding). H = hidden size, Hq/Hkv = query/KV heads, D = head_dim,
 I = MLP width, V = vocabulary.
@@ -17,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_int
 
 ROPE_LAYOUTS = ("interleaved", "half")
 
@@ -51,15 +56,12 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position"):
-            val = getattr(self, name)
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ConfigError(f"{name}={val!r} must be a positive integer")
+            check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
-        if self.rope_layout not in ROPE_LAYOUTS:
-            raise ConfigError(f"rope_layout={self.rope_layout!r}; use one of {ROPE_LAYOUTS}")
+        check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
 
     @property
     def group_size(self) -> int:
@@ -159,18 +161,17 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> 
 
     For a pair (a, b) at angle t: (a, b) -> (a cos t - b sin t, b cos t + a sin t).
     """
+    check_choice("rope layout", layout, ROPE_LAYOUTS)
     c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     if layout == "half":
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-    if layout == "interleaved":
-        # Adjacent pairs (a, b) are the real and imaginary parts of z = a + ib, and the rotation
-        # is one complex multiplication: z * (cos t + i sin t). Viewing the floats as complex
-        # numbers does it in one pass instead of strided even/odd slices (~4x faster here).
-        z = np.ascontiguousarray(x).view(np.result_type(x.dtype, np.complex64))  # [N, heads, D/2]
-        return (z * (c + 1j * s)).view(x.dtype)
-    raise ConfigError(f"rope layout {layout!r}; use one of {ROPE_LAYOUTS}")
+    # "interleaved": adjacent pairs (a, b) are the real and imaginary parts of z = a + ib, and the
+    # rotation is one complex multiplication: z * (cos t + i sin t). Viewing the floats as complex
+    # numbers does it in one pass instead of strided even/odd slices (~4x faster here).
+    z = np.ascontiguousarray(x).view(np.result_type(x.dtype, np.complex64))  # [N, heads, D/2]
+    return (z * (c + 1j * s)).view(x.dtype)
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -195,6 +196,34 @@ class _FusedLayer:
     w_down_t: np.ndarray     # [H, I]
 
 
+def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li: int,
+                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Layer ``li``'s attention branch: what it adds to the residual stream.
+
+    x:        [N, H] the residual stream of the N packed tokens
+    lw:       the layer's weights, as ``Model`` prepares them
+    cache:    receives the N tokens' rotated K and V (layer ``li``), then attends for their Q
+    cos, sin: [N, D/2] RoPE angles of the tokens' positions
+    returns:  [N, H] = attention(RoPE(q), RoPE(k), v) @ Wo, over RMSNorm(x)
+    """
+    n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
+    qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
+    qk = apply_rope(qkv[:, : hq + hkv], cos, sin, cfg.rope_layout)  # rotate Q and K in one go
+    q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+    cache.write(li, k, v)
+    attn = cache.attend(li, q)  # [N, Hq, D]
+    return attn.reshape(n, hq * d) @ lw.wo_t.T
+
+
+def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
+    """A layer's SwiGLU MLP branch: x [N, H] -> [N, H] = (silu(h Wg) * h Wu) Wd, h = RMSNorm(x)."""
+    h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
+    gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
+    i = cfg.intermediate_size
+    return (silu(gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T
+
+
 @dataclass
 class Model:
     """A Llama-style decoder that runs on any KV cache.
@@ -209,8 +238,7 @@ class Model:
     _layers: list = field(init=False, repr=False)
 
     def __post_init__(self):
-        if np.dtype(self.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise DTypeError(f"model dtype {np.dtype(self.dtype)}; use np.float32 or np.float64")
+        check_choice("model dtype", np.dtype(self.dtype).name, ("float32", "float64"), error=DTypeError)
         self.dtype = np.dtype(self.dtype).type
         check_weights(self.config, self.weights)
         w = self.weights.astype(self.dtype)
@@ -289,23 +317,13 @@ class Model:
         c = self.config
         toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = np.concatenate(toks)
-        n, hq, hkv, d = ids.size, c.num_heads, c.num_kv_heads, c.head_dim
         with cache.step(seq_ids, [t.size for t in toks]) as positions:
             self.check_positions(positions)
-            cos, sin = self.cos[positions], self.sin[positions]
-            x = self.embed[ids]  # [N, H]; a copy (fancy indexing), so the in-place adds below are safe
+            cos, sin = self.cos[positions], self.sin[positions]  # [N, D/2]
+            x = self.embed[ids]  # [N, H]: the residual stream; each layer adds its two branches to it
             for li, lw in enumerate(self._layers):
-                h = rms_norm(x, lw.attn_norm, c.rms_eps)
-                qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
-                qk = apply_rope(qkv[:, : hq + hkv], cos, sin, c.rope_layout)  # rotate Q and K in one go
-                q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
-                cache.write(li, k, v)
-                attn = cache.attend(li, q)  # [N, Hq, D]
-                x += attn.reshape(n, hq * d) @ lw.wo_t.T  # residual
-                h = rms_norm(x, lw.mlp_norm, c.rms_eps)
-                gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
-                i = c.intermediate_size
-                x += (silu(gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T  # residual
+                x = x + attention_block(x, lw, c, cache, li, cos, sin)
+                x = x + mlp_block(x, lw, c)
             if not all_logits:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]

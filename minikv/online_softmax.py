@@ -108,3 +108,43 @@ def finish(state: State) -> np.ndarray:
     """acc / l: [..., D]. A row that saw no key at all (l = 0) returns zeros, never NaN."""
     l = state.l[..., None]
     return np.divide(state.acc, l, out=np.zeros_like(state.acc), where=l > 0)
+
+
+# --- one driver: causal attention over a contiguous history, tile by tile --------------------
+
+QUERY_TILE = 64        # query rows per tile of a long causal input (a prefill)
+SCORE_BUDGET = 1 << 18  # score elements held at once (1 MiB in float32): sets the key tile
+
+
+def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int | None = None) -> np.ndarray:
+    """Causal GQA attention of the T newest queries over a contiguous K/V history, a key tile at a time.
+
+    q: [..., Hq, T, D], k/v: [..., Hkv, S, D] with S >= T; query t sits at position S - T + t
+    and sees keys 0 .. S - T + t. Returns [..., Hq, T, D], equal to
+    ``minikv.attention.causal_attention`` up to float rounding.
+
+    Queries go in tiles of ``QUERY_TILE``; a tile reads only the keys it can see (a causal
+    prefill skips about half of the T x S square), ``key_tile`` keys at a time (default: as many
+    as keep ``SCORE_BUDGET`` scores in hand, so a decode step is one tile up to long contexts).
+    Only tiles that cross the diagonal carry a mask.
+    """
+    *batch, hq, t, d = q.shape
+    hkv, s = k.shape[-3], k.shape[-2]
+    g = hq // hkv
+    scale = q.dtype.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
+    qg = (q * scale).reshape(*batch, hkv, g, t, d)  # query head h = kv_head * G + g
+    out = np.empty(qg.shape, dtype=q.dtype)
+    heads = int(np.prod(batch, dtype=np.int64)) * hq
+    for t0 in range(0, t, QUERY_TILE):
+        t1 = min(t0 + QUERY_TILE, t)
+        pos = np.arange(s - t + t0, s - t + t1)  # positions of this tile's queries
+        tile = key_tile or max(QUERY_TILE, SCORE_BUDGET // (heads * (t1 - t0)))
+        state = start(qg.shape[:-2] + (t1 - t0,), d, q.dtype)
+        for k0 in range(0, int(pos[-1]) + 1, tile):
+            k1 = min(k0 + tile, int(pos[-1]) + 1)
+            kt, vt = k[..., None, k0:k1, :], v[..., None, k0:k1, :]            # [..., Hkv, 1, K, D]
+            scores = qg[..., t0:t1, :] @ np.swapaxes(kt, -1, -2)              # [..., Hkv, G, Tq, K]
+            mask = None if k1 - 1 <= pos[0] else np.arange(k0, k1)[None, :] <= pos[:, None]
+            update(state, scores, vt, mask)
+        out[..., t0:t1, :] = finish(state)
+    return out.reshape(q.shape)

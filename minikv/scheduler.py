@@ -35,16 +35,13 @@ Preemption never changes the output: the same tokens are fed at the same
 positions, so greedy decoding gives the tokens of a run with unlimited memory
 (tests check it, in float64 where batch composition cannot flip a near tie).
 
-The ``reserve_len`` policy ("contiguous")
------------------------------------------
-To compare with a contiguous cache *under the same scheduler and workload*,
-``reserve_len=R`` makes every admitted sequence reserve R positions up
-front, as a cache preallocated to the maximum length does: at most
-``num_blocks // ceil(R / block_size)`` sequences run at once, and nothing
-is ever preempted. The K/V still live in the paged pool (so the numbers stay
-exact), but the accounting is the contiguous one: utilization is real tokens
-divided by ``running * R``. We chose this over ``ContiguousKVCache`` so
-that the two sides differ only in memory policy, not in code path.
+Memory policy
+-------------
+*Whether* a request fits is the scheduler's one question to its ``policy``
+(``PagedPolicy`` by default: the pool must hold the blocks of the prompt after
+its prefix-cache hit, asked once per request). The policy also samples the
+memory picture after every step. ``minikv.bench.workloads.ReserveMaxLen`` is the
+contiguous baseline's policy, used only to measure what paging saves.
 """
 
 from __future__ import annotations
@@ -57,7 +54,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from minikv.errors import CacheFullError, ConfigError, InvalidInputError
+from minikv.errors import CacheFullError, ConfigError, InvalidInputError, check_choice, check_int
 from minikv.model import Model
 from minikv.paged import PagedKVCache, num_blocks_for
 
@@ -154,6 +151,32 @@ class SchedulerStats:
         return d
 
 
+class PagedPolicy:
+    """The scheduler's memory policy: admit a request when the pool holds its prompt's blocks.
+
+    Blocks come as tokens arrive; ``admit`` asks the cache once per request (one walk of
+    the prefix cache), ``account`` samples the paged memory picture after each step.
+    """
+
+    def bind(self, cache: PagedKVCache) -> None:
+        """Called once with the scheduler's cache (a policy may size itself from the pool)."""
+
+    def check(self, request: Request, longest: int) -> None:
+        """Refuse a request this policy could never run (raise CacheFullError); ``longest`` in tokens."""
+
+    def admit(self, sched: "Scheduler", seq: "_Seq", free: int) -> tuple[int, int] | None:
+        """Add ``seq`` to the cache if it fits in ``free`` blocks: (cached tokens, blocks consumed), or None."""
+        return sched.cache.try_add_sequence(seq.request.id, seq.tokens, free)
+
+    def account(self, sched: "Scheduler") -> None:
+        """Add this step's memory picture to ``sched.stats`` (before finished sequences leave)."""
+        st, m = sched.stats, sched.cache.memory_stats()
+        st.used_slot_steps += m["slots_used"]
+        st.allocated_slot_steps += m["slots_allocated"]
+        st.internal_waste_steps += m["internal_waste"]
+        # any free block can take any sequence's next token, so there is no external waste
+
+
 class Scheduler:
     """Continuous batching of ``Request`` s on one model and one ``PagedKVCache``.
 
@@ -163,45 +186,31 @@ class Scheduler:
     max_num_seqs:     most sequences running at once
     max_step_tokens:  most tokens in one forward pass (None: no limit); longer prompts are chunked
     sample_fn:        ``sample_fn(logits [V], request) -> token id``; default greedy argmax
-    reserve_len:      the contiguous policy (module docstring): each sequence reserves this many
-                      positions up front; None = paged (allocate blocks as tokens arrive)
+    policy:           the memory policy (default ``PagedPolicy``; see the module docstring)
     watermark_blocks: keep this many blocks free when admitting, so that a fresh
                       admission does not force a preemption at the very next step
     """
 
     def __init__(self, model: Model, cache: PagedKVCache, preemption: str = "recompute", max_num_seqs: int = 256,
                  max_step_tokens: int | None = None, sample_fn: Callable | None = None,
-                 reserve_len: int | None = None, watermark_blocks: int = 0):
+                 policy: PagedPolicy | None = None, watermark_blocks: int = 0):
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"the scheduler needs a PagedKVCache, got {type(cache).__name__}")
         c = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ConfigError("cache geometry does not match the model; build it with model.new_cache_args()")
-        if preemption not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption={preemption!r}; use one of {PREEMPTION_MODES}")
+        self.preemption = check_choice("preemption", preemption, PREEMPTION_MODES)
         if preemption == "swap" and cache.host_allocator is None:
             raise ConfigError("preemption='swap' needs a host pool: build the cache with num_host_blocks > 0")
-        for name, val, lo in (("max_num_seqs", max_num_seqs, 1), ("watermark_blocks", watermark_blocks, 0)):
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
-                raise ConfigError(f"{name}={val!r} must be an integer >= {lo}")
-        for name, val in (("max_step_tokens", max_step_tokens), ("reserve_len", reserve_len)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1):
-                raise ConfigError(f"{name}={val!r} must be a positive integer or None")
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
+        self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, minimum=0)
+        self.max_step_tokens = None if max_step_tokens is None else check_int("max_step_tokens", max_step_tokens)
         if sample_fn is not None and not callable(sample_fn):
             raise ConfigError(f"sample_fn={sample_fn!r} must be callable as sample_fn(logits, request)")
         self.model, self.cache = model, cache
-        self.preemption = preemption
-        self.max_num_seqs = int(max_num_seqs)
-        self.max_step_tokens = max_step_tokens
         self.sample_fn = greedy if sample_fn is None else sample_fn
-        self.reserve_len = reserve_len
-        self.watermark_blocks = int(watermark_blocks)
-        self.contiguous_slots = None
-        if reserve_len is not None:
-            self.contiguous_slots = cache.num_blocks // num_blocks_for(reserve_len, cache.block_size)
-            if self.contiguous_slots < 1:
-                raise ConfigError(f"reserve_len={reserve_len} needs {num_blocks_for(reserve_len, cache.block_size)}"
-                                  f" blocks but the pool has {cache.num_blocks}; add blocks or lower reserve_len")
+        self.policy = PagedPolicy() if policy is None else policy
+        self.policy.bind(cache)
         self.waiting: list = []          # _Seq, sorted by arrival
         self.running: list = []          # _Seq, sorted by arrival
         self.swapped: deque = deque()    # _Seq, in the order they were swapped out
@@ -222,11 +231,9 @@ class Scheduler:
         if known:
             raise InvalidInputError(f"request id {request.id!r} is already queued; ids must be unique")
         (prompt,) = self.model.check_tokens([request.prompt_ids])  # raises on empty / out-of-vocab ids
-        n = request.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InvalidInputError(f"request {request.id!r}: max_new_tokens={n!r}; use an integer >= 1")
+        n = check_int(f"request {request.id!r}: max_new_tokens", request.max_new_tokens, error=InvalidInputError)
         # the last generated token is never fed back, so the cache holds at most prompt + n - 1 tokens
-        longest = prompt.size + int(n) - 1
+        longest = prompt.size + n - 1
         if longest > self.model.config.max_position:
             raise InvalidInputError(f"request {request.id!r} may reach {longest} tokens, beyond the model's "
                                     f"max_position={self.model.config.max_position}; lower max_new_tokens")
@@ -234,9 +241,7 @@ class Scheduler:
         if need > self.cache.num_blocks:
             raise CacheFullError(f"request {request.id!r} may need {need} blocks but the pool has only "
                                  f"{self.cache.num_blocks}; build a larger cache or lower max_new_tokens")
-        if self.reserve_len is not None and longest > self.reserve_len:
-            raise CacheFullError(f"request {request.id!r} may reach {longest} tokens but reserve_len="
-                                 f"{self.reserve_len}; raise reserve_len")
+        self.policy.check(request, longest)
         seq = _Seq(request, self._arrivals, prompt.tolist(), prompt.size)
         self._arrivals += 1
         self._all[request.id] = seq
@@ -252,7 +257,74 @@ class Scheduler:
         except (KeyError, TypeError):
             raise InvalidInputError(f"no request with id {request_id!r}") from None
 
-    # -- preemption ---------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request] = ()) -> dict:
+        """Queue ``requests`` and step until everything is finished; returns {request id: generated ids}."""
+        for r in requests:
+            self.add_request(r)
+        while self.has_work():
+            self.step()
+        return {rid: list(s.output) for rid, s in self.finished.items()}
+
+    # -- one step: the phases of the module docstring ------------------------------------------------
+    def step(self) -> list:
+        """Schedule and run one forward pass. Returns the ids of requests that finished in it.
+
+        1. keep the running sequences going (preempt the newest while they do not fit);
+        2. swap in, then admit waiting requests in arrival order (skipped after a preemption);
+        3. one forward pass over everything scheduled, then sample and retire.
+        """
+        t0 = time.perf_counter()
+        seqs, nums, preempted = self._fit_running()
+        if not preempted:
+            free = self.cache.num_free_blocks - self._blocks_for(seqs, nums)
+            free, budget = self._swap_in(free, self._budget() - sum(nums))
+            self._admit(free, budget)
+        # The final plan orders decodes first, so it can hand tokens out differently from the
+        # estimates above; if it no longer fits, the newest sequences give way, as in phase 1.
+        seqs, nums, _ = self._fit_running()
+        if not seqs:
+            if self.has_work():
+                raise RuntimeError("scheduler made no progress although requests remain; this is a bug")
+            return []
+        done = self._forward(seqs, nums)
+        self.stats.max_concurrency = max(self.stats.max_concurrency, len(self.running))
+        self.stats.running_seq_steps += len(self.running)
+        self.stats.budget_slot_steps += self.cache.num_blocks * self.cache.block_size
+        self.policy.account(self)
+        self._retire(done)
+        self.stats.steps += 1
+        self.stats.forward_tokens += sum(nums)
+        self.stats.wall_s += time.perf_counter() - t0
+        return [s.request.id for s in done]
+
+    def _budget(self) -> float:
+        return self.max_step_tokens if self.max_step_tokens is not None else float("inf")
+
+    def _plan(self) -> tuple[list, list]:
+        """(sequences, token counts) of the running set under the step's token budget; decodes first."""
+        budget = self._budget()
+        seqs, nums = [], []
+        for s in sorted(self.running, key=lambda s: (s.pending > 1, s.arrival)):
+            n = min(s.pending, budget)
+            if n > 0:
+                seqs.append(s)
+                nums.append(int(n))
+                budget -= n
+        return seqs, nums
+
+    def _blocks_for(self, seqs, nums) -> int:
+        return self.cache.blocks_needed([s.request.id for s in seqs], nums) if seqs else 0
+
+    def _fit_running(self) -> tuple[list, list, bool]:
+        """Phase 1: plan the running set; while it does not fit, preempt the newest sequence."""
+        seqs, nums = self._plan()
+        preempted = False
+        while self._blocks_for(seqs, nums) > self.cache.num_free_blocks:
+            self._preempt(self.running.pop())  # latest arrival: the least claim to the memory
+            preempted = True
+            seqs, nums = self._plan()
+        return seqs, nums, preempted
+
     def _preempt(self, seq: _Seq) -> None:
         sid = seq.request.id
         if self.preemption == "swap" and self.cache.host_allocator.num_free >= len(self.cache.block_table(sid)):
@@ -268,68 +340,32 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
         self.stats.preemptions_recompute += 1
 
-    # -- one step -------------------------------------------------------------------------------------
-    def _plan(self) -> tuple[list, list]:
-        """(sequences, token counts) of the running set under the step's token budget; decodes first."""
-        budget = self.max_step_tokens if self.max_step_tokens is not None else float("inf")
-        order = sorted(self.running, key=lambda s: (s.pending > 1, s.arrival))
-        seqs, nums = [], []
-        for s in order:
-            n = min(s.pending, budget)
-            if n <= 0:
-                continue
-            seqs.append(s)
-            nums.append(int(n))
-            budget -= n
-        return seqs, nums
-
-    def _blocks_for(self, seqs, nums) -> int:
-        return self.cache.blocks_needed([s.request.id for s in seqs], nums) if seqs else 0
-
-    def step(self) -> list:
-        """Schedule and run one forward pass. Returns the ids of requests that finished in it."""
-        t0 = time.perf_counter()
+    def _swap_in(self, free: int, budget: float) -> tuple[int, float]:
+        """Phase 2a: swapped sequences come back before anything new is admitted (they arrived earlier)."""
         cache = self.cache
-        preempted = False
-        # 1. the running sequences must fit; otherwise preempt the newest ones
-        seqs, nums = self._plan()
-        while self._blocks_for(seqs, nums) > cache.num_free_blocks:
-            victim = self.running.pop()  # latest arrival: the least claim to the memory
-            self._preempt(victim)
-            preempted = True
-            seqs, nums = self._plan()
-        free = cache.num_free_blocks - self._blocks_for(seqs, nums)
-        budget = (self.max_step_tokens if self.max_step_tokens is not None else float("inf")) - sum(nums)
-
-        # 2. swapped sequences come back before anything new is admitted (they arrived earlier)
-        while not preempted and self.swapped and len(self.running) < self.max_num_seqs:
+        while self.swapped and len(self.running) < self.max_num_seqs:
             s = self.swapped[0]
-            sid = s.request.id
             # its blocks come back, plus whatever its pending tokens (a decode, or a prefill chunk) need
             n = min(s.pending, budget)
-            need = num_blocks_for(cache.length(sid) + n, cache.block_size)
+            need = num_blocks_for(cache.length(s.request.id) + n, cache.block_size)
             if n < 1 or need + (self.watermark_blocks if self.running else 0) > free:
                 break
             self.swapped.popleft()
-            cache.swap_in(sid)
+            cache.swap_in(s.request.id)
             self.stats.swap_ins += 1
             s.state = "running"
             bisect.insort(self.running, s, key=lambda x: x.arrival)
-            free -= need
-            budget -= n
+            free, budget = free - need, budget - n
+        return free, budget
 
-        # then new (or recompute-preempted) requests, strictly in arrival order
-        while not preempted and not self.swapped and self.waiting and budget >= 1 \
-                and len(self.running) < self.max_num_seqs:
+    def _admit(self, free: int, budget: float) -> None:
+        """Phase 2b: new (or recompute-preempted) requests, strictly in arrival order, while they fit."""
+        while not self.swapped and self.waiting and budget >= 1 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            if self.contiguous_slots is not None:
-                if len(self.running) >= self.contiguous_slots:
-                    break
-            elif cache.admission_cost(s.tokens) + (self.watermark_blocks if self.running else 0) > free:
+            got = self.policy.admit(self, s, free - (self.watermark_blocks if self.running else 0))
+            if got is None:
                 break
-            sid = s.request.id
-            cost = cache.admission_cost(s.tokens)
-            cached = cache.add_sequence(sid, prompt_ids=s.tokens)
+            cached, cost = got
             if not s.admitted_once:
                 self.stats.prompt_tokens += s.num_prompt
                 self.stats.prefix_hit_tokens += cached
@@ -343,20 +379,10 @@ class Scheduler:
             free -= cost
             budget -= min(s.pending, budget)
 
-        # 3. one forward pass over everything scheduled. The final plan orders decodes first, so
-        # it can hand tokens out differently from the estimates above; if it no longer fits, the
-        # newest sequences give way, exactly as in phase 1.
-        seqs, nums = self._plan()
-        while self._blocks_for(seqs, nums) > cache.num_free_blocks:
-            self._preempt(self.running.pop())
-            seqs, nums = self._plan()
-        if not seqs:
-            if self.has_work():
-                raise RuntimeError("scheduler made no progress although requests remain; this is a bug")
-            return []
-        ids = [s.request.id for s in seqs]
+    def _forward(self, seqs: list, nums: list) -> list:
+        """Phase 3: one packed forward pass; sample for every sequence whose pending tokens are all in."""
         toks = [s.tokens[s.num_computed:s.num_computed + n] for s, n in zip(seqs, nums, strict=True)]
-        logits = self.model.forward(toks, cache, ids)  # [B, V]: each sequence's last fed token
+        logits = self.model.forward(toks, self.cache, [s.request.id for s in seqs])  # [B, V]: last fed token
         done = []
         for s, n, row in zip(seqs, nums, logits, strict=True):
             s.num_computed += n
@@ -364,194 +390,20 @@ class Scheduler:
                 continue
             tok = int(self.sample_fn(row, s.request))
             s.tokens.append(tok)
-            cache.extend_token_ids(s.request.id, [tok])
+            self.cache.extend_token_ids(s.request.id, [tok])
             self.stats.generated_tokens += 1
-            out = len(s.tokens) - s.num_prompt
-            if out >= s.request.max_new_tokens or (s.request.eos_token_id is not None
-                                                   and tok == s.request.eos_token_id):
+            eos = s.request.eos_token_id
+            if len(s.tokens) - s.num_prompt >= s.request.max_new_tokens or (eos is not None and tok == eos):
                 done.append(s)
-        self._account()
+        return done
+
+    def _retire(self, done: list) -> None:
         for s in done:
-            cache.free_sequence(s.request.id)
+            self.cache.free_sequence(s.request.id)
             self.running.remove(s)
             s.state = "finished"
             self.finished[s.request.id] = s
         self.stats.finished += len(done)
-        self.stats.steps += 1
-        self.stats.forward_tokens += sum(nums)
-        self.stats.wall_s += time.perf_counter() - t0
-        return [s.request.id for s in done]
-
-    def _account(self) -> None:
-        """Sample the memory picture after a forward pass (before finished sequences leave)."""
-        st, cache = self.stats, self.cache
-        st.max_concurrency = max(st.max_concurrency, len(self.running))
-        st.running_seq_steps += len(self.running)
-        budget = cache.num_blocks * cache.block_size
-        st.budget_slot_steps += budget
-        if self.reserve_len is None:
-            m = cache.memory_stats()
-            st.used_slot_steps += m["slots_used"]
-            st.allocated_slot_steps += m["slots_allocated"]
-            st.internal_waste_steps += m["internal_waste"]
-            # paged: any free block can take any sequence's next token, so no external waste
-        else:
-            used = sum(cache.length(s.request.id) for s in self.running)
-            reserved = len(self.running) * self.reserve_len
-            st.used_slot_steps += used
-            st.allocated_slot_steps += reserved
-            st.reservation_waste_steps += reserved - used
-            # whatever is left over once every slab of R is carved out can never hold a sequence
-            st.external_waste_steps += budget - self.contiguous_slots * self.reserve_len
-
-    def run(self, requests: Sequence[Request] = ()) -> dict:
-        """Queue ``requests`` and step until everything is finished; returns {request id: generated ids}."""
-        for r in requests:
-            self.add_request(r)
-        while self.has_work():
-            self.step()
-        return {rid: list(s.output) for rid, s in self.finished.items()}
 
 
-# --- a synthetic workload and the batching benchmark ----------------------------------------------------
-
-@dataclass(frozen=True)
-class Workload:
-    """Synthetic requests: lognormal prompt/output lengths, a shared system prompt on some of them.
-
-    Lengths are drawn as ``round(median * exp(sigma * N(0, 1)))``, clipped to [lo, hi].
-    """
-
-    num_requests: int = 160
-    prompt_median: float = 160.0
-    prompt_sigma: float = 0.7
-    prompt_range: tuple = (8, 640)
-    output_median: float = 100.0
-    output_sigma: float = 0.8
-    output_range: tuple = (4, 320)
-    shared_prefix_len: int = 64
-    shared_fraction: float = 0.5
-    vocab_size: int = 256
-    seed: int = 0
-
-    @property
-    def max_len(self) -> int:
-        """The longest a request can get: the reservation of a cache preallocated to max length."""
-        return self.shared_prefix_len + self.prompt_range[1] + self.output_range[1] - 1
-
-    def requests(self) -> list[Request]:
-        rng = np.random.default_rng(self.seed)
-
-        def lengths(median, sigma, lo_hi):
-            x = np.round(median * np.exp(sigma * rng.standard_normal(self.num_requests)))
-            return np.clip(x, *lo_hi).astype(int)
-
-        p_len = lengths(self.prompt_median, self.prompt_sigma, self.prompt_range)
-        o_len = lengths(self.output_median, self.output_sigma, self.output_range)
-        system = rng.integers(0, self.vocab_size, self.shared_prefix_len).tolist()
-        shared = rng.random(self.num_requests) < self.shared_fraction
-        out = []
-        for i in range(self.num_requests):
-            body = rng.integers(0, self.vocab_size, p_len[i]).tolist()
-            out.append(Request(i, (system + body) if shared[i] else body, int(o_len[i])))
-        return out
-
-
-def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 4 << 20, block_size: int = 16,
-                       preemption: str = "recompute", model: Model | None = None) -> dict:
-    """Run one workload twice on the same KV budget — paged, and contiguous (reserve max_len) — and compare.
-
-    The model defaults to a tiny random one (``random_model``, 2 layers) so the
-    run takes seconds; memory behaviour does not depend on the model's size,
-    only on bytes per token. Returns a dict with ``paged``, ``contiguous`` and
-    ``concurrency_ratio`` (paged / contiguous max concurrent sequences).
-    """
-    from minikv.model import random_model
-
-    wl = workload or Workload()
-    if model is None:
-        model = random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                             intermediate_size=96, vocab_size=wl.vocab_size, max_position=2048, seed=wl.seed)
-    if model.config.max_position < wl.max_len:
-        raise ConfigError(f"model max_position={model.config.max_position} < workload max_len={wl.max_len}")
-    per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim \
-        * np.dtype(model.dtype).itemsize
-    num_blocks = int(kv_budget_bytes) // (per_token * block_size)
-    reqs = wl.requests()
-    results = {}
-    outputs = {}
-    for side in ("paged", "contiguous"):
-        paged = side == "paged"
-        cache = PagedKVCache(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size,
-                             dtype=model.dtype, enable_prefix_caching=paged,
-                             num_host_blocks=num_blocks if paged and preemption == "swap" else 0)
-        sched = Scheduler(model, cache, preemption=preemption if paged else "recompute",
-                          reserve_len=None if paged else num_blocks_for(wl.max_len, block_size) * block_size)
-        t0 = time.perf_counter()
-        outputs[side] = sched.run(reqs)
-        wall = time.perf_counter() - t0
-        st = sched.stats
-        summary = st.summary()
-        results[side] = {
-            "utilization": st.utilization,
-            "max_concurrency": st.max_concurrency,
-            "mean_concurrency": st.running_seq_steps / max(st.steps, 1),
-            "throughput_tokens_per_s": st.generated_tokens / wall,
-            "wall_s": wall,
-            "steps": st.steps,
-            "generated_tokens": st.generated_tokens,
-            "forward_tokens": st.forward_tokens,
-            "preemptions": st.preemptions,
-            "preemptions_recompute": st.preemptions_recompute,
-            "preemptions_swap": st.preemptions_swap,
-            "prefix_hit_rate": st.prefix_hit_rate,
-            "waste_of_allocated": {
-                "internal": st.internal_waste_steps / max(st.allocated_slot_steps, 1),
-                "reservation": st.reservation_waste_steps / max(st.allocated_slot_steps, 1)},
-            "waste_of_budget": summary["waste_of_budget"],
-            "reserve_len": sched.reserve_len,
-        }
-    lost = [r.id for r in reqs if r.id not in outputs["paged"] or r.id not in outputs["contiguous"]]
-    return {
-        "workload": {**asdict(wl), "max_len": wl.max_len},
-        "kv_budget_bytes": int(kv_budget_bytes),
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "budget_tokens": num_blocks * block_size,
-        "bytes_per_token": int(per_token),
-        "preemption": preemption,
-        "paged": results["paged"],
-        "contiguous": results["contiguous"],
-        "concurrency_ratio": results["paged"]["max_concurrency"] / results["contiguous"]["max_concurrency"],
-        "throughput_ratio": results["paged"]["throughput_tokens_per_s"]
-        / results["contiguous"]["throughput_tokens_per_s"],
-        "requests_lost": len(lost),
-        "identical_outputs": outputs["paged"] == outputs["contiguous"],
-    }
-
-
-def format_benchmark(res: dict) -> str:
-    """The human-readable table of ``batching_benchmark``'s result."""
-    wl = res["workload"]
-    lines = [f"workload: {wl['num_requests']} requests, lognormal prompts (median {wl['prompt_median']:.0f}) and "
-             f"outputs (median {wl['output_median']:.0f}), {wl['shared_prefix_len']}-token system prompt on "
-             f"{wl['shared_fraction']:.0%}; KV budget {res['kv_budget_bytes'] / 2**20:.2f} MiB = "
-             f"{res['budget_tokens']} tokens ({res['num_blocks']} blocks of {res['block_size']}); "
-             f"contiguous reserves {res['contiguous']['reserve_len']} per sequence",
-             f"{'':30s}{'paged':>12s}{'contiguous':>12s}"]
-    rows = [("utilization", "utilization", "{:.1%}"), ("max concurrent seqs", "max_concurrency", "{}"),
-            ("throughput (tok/s)", "throughput_tokens_per_s", "{:.0f}"), ("steps", "steps", "{}"),
-            ("preemptions", "preemptions", "{}"), ("prefix hit rate", "prefix_hit_rate", "{:.1%}")]
-    for label, key, fmt in rows:
-        lines.append(f"{label:30s}{fmt.format(res['paged'][key]):>12s}{fmt.format(res['contiguous'][key]):>12s}")
-    for kind in ("internal", "reservation", "external"):
-        p, c = res["paged"]["waste_of_budget"][kind], res["contiguous"]["waste_of_budget"][kind]
-        lines.append(f"{kind + ' waste (of budget)':30s}{p:>12.1%}{c:>12.1%}")
-    lines.append(f"concurrency ratio paged/contiguous: {res['concurrency_ratio']:.2f}x, throughput ratio "
-                 f"{res['throughput_ratio']:.2f}x, requests lost: {res['requests_lost']}, "
-                 f"identical outputs: {res['identical_outputs']}")
-    return "\n".join(lines)
-
-
-__all__ = ["PREEMPTION_MODES", "Request", "Scheduler", "SchedulerStats", "Workload", "batching_benchmark",
-           "format_benchmark", "greedy"]
+__all__ = ["PREEMPTION_MODES", "PagedPolicy", "Request", "Scheduler", "SchedulerStats", "greedy"]

@@ -43,19 +43,10 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import paged as _cpu
+from minikv.block_allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for  # host-side, as is
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
-from minikv.paged import (  # host-side bookkeeping, shared with the NumPy wing as is
-    Block,
-    BlockAllocator,
-    HashFn,
-    chain_hash,
-    check_paged_attention_args,
-    default_blocks_per_tile,
-    num_blocks_for,
-    query_positions,
-    slot_mapping,
-)
+from minikv.paged import check_paged_attention_args, default_blocks_per_tile, query_positions, slot_mapping
 from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
     STATIC_SMEM_LIMIT,

@@ -99,23 +99,24 @@ def test_bad_inputs_raise_typed_errors():
 
 @pytest.mark.parametrize("t,s", [(11, 11), (11, 15), (8, 8), (9, 30)])
 def test_tiled_causal_attention_matches_brute_force(monkeypatch, t, s):
-    """Long inputs are processed in query tiles that skip unreachable keys; shrink the tile to test it."""
-    import minikv.attention as attention
+    """Long inputs go through the online softmax in query and key tiles; shrink both to test it."""
+    import minikv.online_softmax as online_softmax
 
-    monkeypatch.setattr(attention, "QUERY_TILE", 4)  # tiles of 4 queries: 11 = 4 + 4 + 3
+    monkeypatch.setattr(online_softmax, "QUERY_TILE", 4)  # tiles of 4 queries: 11 = 4 + 4 + 3
+    monkeypatch.setattr(online_softmax, "SCORE_BUDGET", 1)  # and of 4 keys (the smallest key tile)
     rng = np.random.default_rng(t * 100 + s)
     q, k, v = rng.standard_normal((6, t, 5)), rng.standard_normal((2, s, 5)), rng.standard_normal((2, s, 5))
     np.testing.assert_allclose(causal_attention(q, k, v), brute_force_attention(q, k, v), rtol=1e-12, atol=1e-12)
 
 
 def test_tiled_equals_untiled_at_real_sizes(monkeypatch):
-    import minikv.attention as attention
+    import minikv.online_softmax as online_softmax
 
     rng = np.random.default_rng(9)
     q = rng.standard_normal((9, 200, 64)).astype(np.float32)  # 200 = 3 full tiles of 64 + 8
     k, v = rng.standard_normal((2, 3, 230, 64)).astype(np.float32)
     tiled = causal_attention(q, k, v)
-    monkeypatch.setattr(attention, "QUERY_TILE", 10**9)
+    monkeypatch.setattr(online_softmax, "QUERY_TILE", 10**9)
     untiled = causal_attention(q, k, v)
     assert tiled.dtype == np.float32
     np.testing.assert_allclose(tiled, untiled, rtol=1e-5, atol=1e-6)

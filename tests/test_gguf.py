@@ -7,6 +7,8 @@ real file nor llama.cpp); tests marked ``model`` read SmolLM2 itself.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 
 import gguf
@@ -14,9 +16,10 @@ import numpy as np
 import pytest
 
 from minikv import gguf as mg
-from minikv.equivalence import rel_err
+from minikv.bench.equivalence import rel_err
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError
 from minikv.model import Model, random_model
+from minikv.tokenizer import bytes_to_unicode
 
 # --- a tiny GGUF writer (what llama.cpp's converter does, for a random model) ------------------
 
@@ -30,7 +33,7 @@ def llamacpp_permute(w_out_in: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # A 101-token byte-level vocabulary: printable ASCII (space spelled "Ġ"), three merges, three controls.
-TINY_TOKENS = [mg.bytes_to_unicode()[b] for b in range(32, 127)] + ["he", "Ġt", "Ġthe", "<s>", "</s>", "<|im_end|>"]
+TINY_TOKENS = [bytes_to_unicode()[b] for b in range(32, 127)] + ["he", "Ġt", "Ġthe", "<s>", "</s>", "<|im_end|>"]
 TINY_MERGES = ["h e", "Ġ t", "Ġt he"]
 
 
@@ -252,6 +255,23 @@ def test_tiny_tokenizer(tiny_path):
     assert tok.decode(ids, skip_special_tokens=True) == "the theme 42"
     with pytest.raises(ModelFormatError, match="chat_template"):  # this file has no template
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_names_still_importable_from_gguf():
+    """The tokenizer moved to minikv.tokenizer; imports written against minikv.gguf keep working."""
+    import minikv.tokenizer as mt
+
+    for name in ("Tokenizer", "StreamDecoder", "bytes_to_unicode", "GPT2_SPLIT", "SUPPORTED_PRE_TOKENIZERS",
+                 "TOKEN_TYPE_NORMAL", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_USER_DEFINED"):
+        assert getattr(mg, name) is getattr(mt, name), name
+
+
+def test_tokenizer_module_knows_nothing_of_gguf():
+    """The arrow points gguf -> tokenizer only: importing the tokenizer loads no GGUF code."""
+    probe = ("import sys, minikv.tokenizer; "
+             "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.', 'minikv.gguf'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_bad_layout_name(tiny_path):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minikv.equivalence import EXACT_RTOL, rel_err
+from minikv.bench.equivalence import EXACT_RTOL, rel_err
 from minikv.errors import CacheFullError, ConfigError, DTypeError, InvalidInputError, ShapeError, UnknownSequenceError
 from minikv.kv_cache import ContiguousKVCache, NoCache
 from minikv.model import random_model

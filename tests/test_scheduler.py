@@ -5,11 +5,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minikv.bench.workloads import ReserveMaxLen, Workload, batching_benchmark, format_benchmark
 from minikv.errors import CacheFullError, ConfigError, InvalidInputError
 from minikv.kv_cache import ContiguousKVCache
 from minikv.model import random_model
 from minikv.paged import PagedKVCache
-from minikv.scheduler import Request, Scheduler, Workload, batching_benchmark, format_benchmark
+from minikv.scheduler import Request, Scheduler
 
 # float64: a different batch composition changes float32 rounding and could flip a near tie;
 # in float64 the greedy tokens must match exactly (DESIGN.md section 3)
@@ -150,8 +151,8 @@ def test_sample_fn_hook():
 
 
 def test_contiguous_policy_reserves_max_len():
-    s = scheduler(24, reserve_len=32)  # 24 blocks of 4 / 8 blocks per sequence = 3 at once
-    assert s.contiguous_slots == 3
+    s = scheduler(24, policy=ReserveMaxLen(32))  # 24 blocks of 4 / 8 blocks per sequence = 3 at once
+    assert s.policy.slots == 3
     assert s.run(REQUESTS) == UNLIMITED
     assert s.stats.max_concurrency == 3 and s.stats.preemptions == 0
     assert 0 < s.stats.utilization < 0.5  # short requests in 32-token slabs
@@ -187,7 +188,7 @@ def test_bad_requests_and_settings_raise_typed_errors():
     with pytest.raises(InvalidInputError, match="max_position"):
         scheduler(200).add_request(Request("long", [1] * 250, 10))
     with pytest.raises(CacheFullError, match="reserve_len"):
-        scheduler(200, reserve_len=8).add_request(Request("c", [1] * 6, 4))
+        scheduler(200, policy=ReserveMaxLen(8)).add_request(Request("c", [1] * 6, 4))
     with pytest.raises(ConfigError):
         scheduler(6, preemption="drop")
     with pytest.raises(ConfigError, match="host pool"):
@@ -195,7 +196,7 @@ def test_bad_requests_and_settings_raise_typed_errors():
     with pytest.raises(ConfigError):
         scheduler(6, max_num_seqs=0)
     with pytest.raises(ConfigError):
-        scheduler(6, reserve_len=100)  # one slab is larger than the pool
+        scheduler(6, policy=ReserveMaxLen(100))  # one slab is larger than the pool
     with pytest.raises(ConfigError):
         Scheduler(MODEL, ContiguousKVCache(**MODEL.new_cache_args(), max_seqs=1, max_len=8))
     with pytest.raises(InvalidInputError):

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.errors import InvalidInputError, ShapeError
-from minikv.gguf import GPT2_SPLIT, Tokenizer
+from minikv.errors import InvalidInputError, ModelFormatError, ShapeError
+from minikv.tokenizer import GPT2_SPLIT, Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -203,6 +203,22 @@ def test_bad_input(tok):
         tok.apply_chat_template("Hi")
 
 
+def test_bad_lists():
+    """A Tokenizer is built from plain lists; lists that disagree are a format error."""
+    tokens, types = ["a", "b", "ab", "<s>"], [1, 1, 1, 3]
+    assert Tokenizer(tokens, types, ["a b"], bos_token_id=3).encode("ab<s>") == [2, 3]
+    with pytest.raises(ModelFormatError, match="3 token types for 4 tokens"):
+        Tokenizer(tokens, types[:3], [])
+    with pytest.raises(ModelFormatError, match="pre='bpe'"):
+        Tokenizer(tokens, types, [], pre="bpe")
+    with pytest.raises(ModelFormatError, match="bos_token_id=4"):
+        Tokenizer(tokens, types, [], bos_token_id=4)
+    with pytest.raises(ModelFormatError, match="eos_token_id=True"):  # a bool is not a token id
+        Tokenizer(tokens, types, [], eos_token_id=True)
+    with pytest.raises(InvalidInputError, match="True"):
+        Tokenizer(tokens, types, []).decode([True])
+
+
 # --- against transformers ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -222,7 +238,7 @@ def test_ids_match_transformers_without_digits(tok, hf_tok, text):
 
 @pytest.mark.reference
 def test_digits_documented_difference_from_transformers(tok, hf_tok):
-    """transformers skips the digit split (see minikv.gguf): whitespace runs before numbers differ."""
+    """transformers skips the digit split (see minikv.tokenizer): whitespace runs before numbers differ."""
     assert tok.encode("  7") == [256, 39]
     assert hf_tok.encode("  7") == [216, 216, 39]
     assert tok.encode("x =  42") != hf_tok.encode("x =  42")

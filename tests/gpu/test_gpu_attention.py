@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minikv import attention as ref
-from minikv.equivalence import KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, ShapeError
 from minikv_gpu import attention as gpu
 

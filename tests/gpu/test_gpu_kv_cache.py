@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from minikv import kv_cache as ref
-from minikv.equivalence import KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import KERNEL_RTOL, rel_err
 from minikv.errors import CacheFullError, ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.model import apply_rope as ref_rope
 from minikv.model import rope_tables

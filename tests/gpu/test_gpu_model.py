@@ -12,7 +12,7 @@ import pytest
 
 from minikv import kv_cache as ref_cache
 from minikv import model as ref
-from minikv.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv_gpu import kv_cache as gpu_cache
 from minikv_gpu import model as gpu

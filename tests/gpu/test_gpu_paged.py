@@ -20,7 +20,7 @@ import pytest
 from minikv import cli
 from minikv import paged as ref
 from minikv.attention import causal_attention
-from minikv.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, OutOfBlocksError, ShapeError
 from minikv.model import random_model
 from minikv_gpu import compare as cmp

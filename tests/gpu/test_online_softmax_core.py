@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minikv import online_softmax as ref
-from minikv.equivalence import KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import KERNEL_RTOL, rel_err
 
 D = 64
 SOURCE = r"""
