@@ -58,7 +58,7 @@ def _check_num_splits(num_splits):
 
 class NoCache(_cpu.NoCache):
     """Step 1's baseline on the GPU: remembers nothing; ``attend`` runs ``causal_attention``
-    (the fused ``causal_attention_v2`` kernel) over the step's own K/V, one sequence at a time."""
+    (the fused ``causal_attention_v1`` kernel) over the step's own K/V, one sequence at a time."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32, *, runtime=None):
         if np.dtype(dtype) != np.float32:
