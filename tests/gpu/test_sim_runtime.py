@@ -174,3 +174,30 @@ def test_signature_parser_reads_raw_source():
                    ("bytes", True, False, "uint8", 1), ("flag", True, False, "int32", 1),
                    ("table", True, False, None, 1)]
     assert decls["k1"][0].ctype == "const real*"
+
+
+def test_device_attributes_are_read_once_per_device(monkeypatch):
+    """cupy's Device().attributes makes one driver call per attribute: multiprocessors() (asked by every
+    attend that picks a split) reads them once per device, from runtime.device_attributes' cache."""
+    reads = []
+
+    class FakeDevice:
+        def __init__(self):
+            self.id = 7
+
+        @property
+        def attributes(self):
+            reads.append(self.id)
+            return {"MultiProcessorCount": 132, "L2CacheSize": 50 << 20}
+
+    class FakeRuntime:
+        name = "cupy"
+
+        class xp:  # noqa: N801 (stands for the cupy module)
+            class cuda:  # noqa: N801
+                Device = FakeDevice
+
+    monkeypatch.setattr(runtime, "_DEVICE_ATTRIBUTES", {})
+    assert [runtime.multiprocessors(FakeRuntime) for _ in range(3)] == [132] * 3
+    assert runtime.device_attributes(FakeRuntime)["L2CacheSize"] == 50 << 20 and reads == [7]
+    assert runtime.multiprocessors(runtime.get_runtime("sim")) == 1
