@@ -233,7 +233,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
         automatic); None: v2 when the split count comes out above 1."""
         version = check_version(version if version is not None else self.version)
-        if version == 1 and _check_num_splits(num_splits) not in (None, 1):
+        if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
                               "needs version=2 (or None)")
         splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
