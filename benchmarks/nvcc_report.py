@@ -3,8 +3,10 @@
     python benchmarks/nvcc_report.py            # prints the table, writes benchmarks/results/nvcc_report.json
 
 For each ``minikv_gpu/kernels/*.cu`` and each set of compile-time defines it is
-launched with, runs ``nvcc -cubin -arch=sm_XX -Xptxas -v`` and parses, per
-kernel: registers, static shared memory, stack frame, spill stores and loads.
+launched with, runs ``nvcc -cubin -arch=sm_XX -Xptxas -v -I minikv_gpu/kernels`` (the
+sources include ``common.cuh``, ``online_softmax.cuh``, ... from there) and parses, per
+kernel: registers, static shared memory, stack frame, spill stores and loads. A kernel
+defined in a shared header (``attention_reduce_v2``) is reported once per source.
 Spills must be zero (DESIGN.md section 4); ``tests/gpu/test_nvcc.py`` asserts it.
 
 Define sets: a source declares them in a comment line, for example
@@ -100,8 +102,8 @@ def parse_ptxas(text: str) -> list[dict]:
 def compile_one(nvcc: str, source: Path, arch: str, defines: dict) -> list[dict]:
     """Compile one (source, arch, defines) to a cubin; return its parsed rows. Raises on a compile error."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items()),
-               "-o", str(Path(tmp) / "out.cubin"), str(source)]
+        cmd = [nvcc, "-cubin", f"-arch={arch}", "-Xptxas", "-v", f"-I{source.parent}",
+               *(f"-D{k}={v}" for k, v in defines.items()), "-o", str(Path(tmp) / "out.cubin"), str(source)]
         res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr}")

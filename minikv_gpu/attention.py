@@ -6,12 +6,14 @@ of ``kernels/attention.cu`` read through pointers. Everything is float32.
 
     q: [..., Hq,  T, D]   k, v: [..., Hkv, S, D]   out: [..., Hq, T, D]
 
-Two versions of ``causal_attention``, numbered as in ``kernels/attention.cu``:
+Two versions of ``causal_attention`` (two paths; the kernels' own ``_v<N>`` numbers
+follow ``kernels/attention.cu``'s scheme):
 
 * ``version=1``: ``q k^T`` with ``xp.matmul``, the ``causal_softmax_v1`` kernel,
   then ``probs v``: the textbook, which writes the [Hq, T, S] scores to memory;
-* ``version=2`` (default): one kernel with an online softmax over tiles of 32
-  keys; the scores never leave the chip.
+* ``version=2`` (default): one kernel, ``causal_attention_v1``, with an online
+  softmax over tiles of 32 keys (``kernels/online_softmax.cuh``); the scores never
+  leave the chip.
 
 GPU-wing restriction: ``head_dim`` is a multiple of 8 and at most 128 (16-byte
 vector loads; the key/value tiles fit the 48 KB of static shared memory).
@@ -24,45 +26,12 @@ import numpy as np
 from minikv.attention import check_qkv as ref_check_qkv
 from minikv.attention import kv_head_for_query_head
 from minikv.errors import ConfigError, DTypeError, ShapeError
-from minikv_gpu import runtime as _runtime
+from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines
 
-__all__ = ["softmax", "kv_head_for_query_head", "check_qkv", "attention_weights", "causal_attention",
-           "device_f32", "head_dim_defines", "THREADS"]
+__all__ = ["softmax", "kv_head_for_query_head", "check_qkv", "attention_weights", "causal_attention", "THREADS"]
 
 THREADS = 128  # threads per block of the row-wise kernels
-ROWS_PER_BLOCK = 4  # query rows per block of causal_attention_v2 (one warp each)
-MAX_HEAD_DIM = 128
-
-
-def get_runtime(rt=None):
-    """The runtime to launch on: ``rt`` if given, else the default (CuPy on a GPU, else the simulator)."""
-    return _runtime.get_runtime() if rt is None else rt
-
-
-def device_f32(rt, a, name: str):
-    """``a`` as a C-contiguous float32 array on ``rt``'s device.
-
-    Host NumPy arrays are copied over; anything that is not float32 raises
-    DTypeError rather than being cast silently (a float64 input usually means a
-    float64 scalar promoted something upstream, which is a bug worth seeing).
-    """
-    dtype = getattr(a, "dtype", None)
-    if dtype is None or not hasattr(a, "shape"):
-        raise DTypeError(f"{name} must be an array, got {type(a).__name__}")
-    if np.dtype(dtype) != np.float32:
-        raise DTypeError(f"{name}.dtype={dtype}; the GPU kernels compute in float32, "
-                         f"cast with {name}.astype(np.float32)")
-    if not isinstance(a, rt.xp.ndarray):
-        a = rt.asarray(a)  # host -> device (on the simulator the "device" is the host: no copy needed)
-    return rt.xp.ascontiguousarray(a)
-
-
-def head_dim_defines(head_dim: int) -> dict:
-    """The compile-time defines of a kernel specialised to ``head_dim``; raises ConfigError if unsupported."""
-    if not (isinstance(head_dim, (int, np.integer)) and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
-        raise ConfigError(f"head_dim={head_dim}: the GPU kernels need a multiple of 8 between 8 and "
-                          f"{MAX_HEAD_DIM} (use the NumPy reference in minikv for other sizes)")
-    return {"HEAD_DIM": int(head_dim)}
+ROWS_PER_BLOCK = 4  # query rows per block of causal_attention_v1 (one warp each)
 
 
 def _grid(n: int, per_block: int) -> int:
@@ -148,7 +117,7 @@ def causal_attention(q, k, v, causal: bool = True, *, version: int = 2, runtime=
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
 
     q: [..., Hq, T, D], k/v: [..., Hkv, S, D] -> out: [..., Hq, T, D] (float32)
-    version 1: matmul + softmax kernel + matmul; version 2: the fused kernel.
+    version 1: matmul + softmax kernel + matmul; version 2: the fused kernel ``causal_attention_v1``.
     """
     rt = get_runtime(runtime)
     check_qkv(q, k, v, rt)
@@ -167,7 +136,7 @@ def causal_attention(q, k, v, causal: bool = True, *, version: int = 2, runtime=
         return out
     if b > 65535:
         raise ShapeError(f"{b} batch entries exceed the grid's z limit of 65535; split the batch")
-    kern = rt.kernel("attention", "causal_attention_v2", defines=head_dim_defines(d))
+    kern = rt.kernel("attention", "causal_attention_v1", defines=head_dim_defines(d))
     kern((_grid(t, ROWS_PER_BLOCK), hq, b), (32 * ROWS_PER_BLOCK,),
          (q, k, v, out, np.int32(hq), np.int32(hkv), np.int32(t), np.int32(s), np.int32(causal),
           np.float32(1.0 / np.sqrt(d))))

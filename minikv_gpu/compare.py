@@ -22,6 +22,7 @@ import numpy as np
 from minikv import kv_cache as cpu_cache
 from minikv import paged as cpu_paged
 from minikv.errors import ConfigError, InvalidInputError
+from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs every one
 from minikv.model import Model as CpuModel
 from minikv.model import random_model
 from minikv_gpu import kv_cache as gpu_cache
@@ -34,7 +35,6 @@ from minikv_gpu.model import from_cpu
 SMOLLM2_SHAPES = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                       intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position=8192,
                       rope_layout="interleaved")
-CACHE_KINDS = ("contiguous", "paged", "none")
 
 # Pass criteria on max |Δlogit| (greedy tokens must agree as well). float32: both paths compute the same
 # float32 math in a different order, so the logits agree to ~1e-5..1e-4 and 1e-3 is the issue's bound.
@@ -94,6 +94,22 @@ def smollm2_random(seed: int = 0) -> CpuModel:
     return random_model(seed=seed, **SMOLLM2_SHAPES)
 
 
+def _cache_pair(kind: str, model: CpuModel, gpu, max_len: int, cache_dtype, block_size, rt):
+    """The NumPy cache and its GPU twin of ``kind``, sized for one sequence of ``max_len`` tokens."""
+    if kind == "paged":  # pools just large enough for the run
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ConfigError(f"block_size={block_size!r}; use a positive number of token slots per block")
+        num_blocks = cpu_paged.num_blocks_for(max_len, block_size)
+        args = dict(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size, dtype=cache_dtype)
+        return cpu_paged.PagedKVCache(**args), gpu_paged.PagedKVCache(**args, runtime=rt)
+    if kind == "contiguous":
+        c_cpu = cpu_cache.ContiguousKVCache(**model.new_cache_args(), max_seqs=1, max_len=max_len,
+                                            dtype=cache_dtype)
+        return c_cpu, gpu.new_cache(max_seqs=1, max_len=max_len)
+    return (cpu_cache.NoCache(**model.new_cache_args(), dtype=model.dtype),
+            gpu_cache.NoCache(**model.new_cache_args(), runtime=rt))
+
+
 def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: str | None = None,
             cache: str = "contiguous", cache_dtype=np.float32, fused: bool = False,
             on_step=None, block_size: int = 16) -> CompareResult:
@@ -117,21 +133,7 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
     rt = _runtime.get_runtime(backend)
     cache_dtype = np.dtype(cache_dtype)
     gpu = from_cpu(model, runtime=rt, cache_dtype=cache_dtype, fused=fused)
-    if cache == "paged":  # pools just large enough for the run
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ConfigError(f"block_size={block_size!r}; use a positive number of token slots per block")
-        num_blocks = cpu_paged.num_blocks_for(len(ids) + max_new_tokens, block_size)
-        args = dict(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size, dtype=cache_dtype)
-        c_cpu = cpu_paged.PagedKVCache(**args)
-        c_gpu = gpu_paged.PagedKVCache(**args, runtime=rt)
-    elif cache == "contiguous":
-        max_len = len(ids) + max_new_tokens
-        c_cpu = cpu_cache.ContiguousKVCache(**model.new_cache_args(), max_seqs=1, max_len=max_len,
-                                            dtype=cache_dtype)
-        c_gpu = gpu.new_cache(max_seqs=1, max_len=max_len)
-    else:
-        c_cpu = cpu_cache.NoCache(**model.new_cache_args(), dtype=model.dtype)
-        c_gpu = gpu_cache.NoCache(**model.new_cache_args(), runtime=rt)
+    c_cpu, c_gpu = _cache_pair(cache, model, gpu, len(ids) + max_new_tokens, cache_dtype, block_size, rt)
     c_cpu.add_sequence(0)
     c_gpu.add_sequence(0)
 

@@ -2,16 +2,23 @@
 
 The seam is the NumPy reference's, unchanged: a model opens a step, hands each
 layer's new (rotated) K/V to ``write`` and asks ``attend``. The bookkeeping
-(steps, sequences, lengths, rollback) is inherited from ``minikv.kv_cache``;
-only the storage and the two data paths move to the device:
+(steps, sequences, lengths, rollback) is inherited from ``minikv.kv_cache``, and so
+is the constructor: the device storage comes in through its storage hook
+``_new_buffer``. Only the two data paths move to the device (``kernels/kv_cache.cu``):
 
 * ``write``  -> ``cache_write_v1``: new rows to ``[layer, slot, head, pos]``;
 * ``attend`` -> ``decode_attention_v1``: each packed token's query heads over
   positions ``0 .. pos`` of its sequence, one block per (token, KV head) so the
-  whole GQA group shares every K/V tile it loads; long histories are split into
-  ranges that run in parallel and are merged by ``decode_attention_combine_v1``;
-* ``rope_write_attend`` -> ``decode_attention_v2``: the fused kernel (RoPE on q
-  and k, cache write and attention in one launch) for decode steps.
+  whole GQA group shares every K/V tile it loads; or ``decode_attention_v2``
+  (split-K: long histories split into ranges that run in parallel, merged by
+  the shared ``attention_reduce_v2``);
+* ``rope_write_attend`` -> ``rope_write_attend_v1`` / ``_v2``: the fused kernel (RoPE
+  on q and k, cache write and attention in one launch) for decode steps.
+
+``version`` (the cache's, or per call) means what it means for ``minikv_gpu.paged``:
+1 = one block per (token, KV head), 2 = split-K + reduce, None = choose per step. The
+choice here: ``num_splits`` ranges (None = automatic: ``BLOCKS_PER_SM`` blocks per
+multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per range), v1 when that is one.
 
 The cache stores float32 or float16 (``dtype``); attention always computes in
 float32, exactly as the NumPy cache casts what it reads to the query's dtype.
@@ -23,34 +30,35 @@ import numpy as np
 
 from minikv import kv_cache as _cpu
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
-from minikv.kv_cache import KVCacheBase, Step
-from minikv_gpu.attention import causal_attention, device_f32, get_runtime, head_dim_defines
+from minikv.kv_cache import Step
+from minikv_gpu.attention import causal_attention  # NoCache: step 1's attention is its whole data path
+from minikv_gpu.runtime import (
+    BLOCKS_PER_SM,
+    STATIC_SMEM_LIMIT,
+    cache_defines,
+    check_device_rows,
+    check_version,
+    device_f32,
+    get_runtime,
+    head_dim_defines,
+    multiprocessors,
+)
 
 __all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
 
 KEY_TILE = 32             # keys per tile in kv_cache.cu; split boundaries are multiples of it
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its parallelism
-BLOCKS_PER_SM = 4         # automatic splits aim for this many blocks per multiprocessor (a block is only
-#                           G warps, so one per SM leaves too few loads in flight to stream from HBM);
-#                           a first guess: benchmarks/gpu_check.py sweeps the split count to tune it
-STATIC_SMEM_LIMIT = 48 * 1024
 
 
-def _check_device_rows(cache: KVCacheBase, rt, name: str, a, heads: int) -> None:
-    """``KVCacheBase._check_rows`` for device arrays: a [N, heads, D] float array of this step."""
-    step = cache._require_step()
-    want = (step.num_tokens, heads, cache.head_dim)
-    if not isinstance(a, (rt.xp.ndarray, np.ndarray)) or a.shape != want:
-        got = getattr(a, "shape", type(a).__name__)
-        raise ShapeError(f"{name}.shape={got}, expected [N, heads, D] = {want} for this step")
-    if a.dtype != np.float32:
-        raise DTypeError(f"{name}.dtype={a.dtype}; the GPU cache takes float32 activations, "
-                         f"cast with {name}.astype(np.float32)")
+def _check_num_splits(num_splits):
+    if num_splits is not None and not (isinstance(num_splits, (int, np.integer)) and num_splits >= 1):
+        raise ConfigError(f"num_splits={num_splits!r}; use None (automatic) or a positive integer")
+    return num_splits
 
 
 class NoCache(_cpu.NoCache):
     """Step 1's baseline on the GPU: remembers nothing; ``attend`` runs ``causal_attention``
-    (the fused ``causal_attention_v2`` kernel) over the step's own K/V, one sequence at a time."""
+    (the fused ``causal_attention_v1`` kernel) over the step's own K/V, one sequence at a time."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32, *, runtime=None):
         if np.dtype(dtype) != np.float32:
@@ -60,8 +68,8 @@ class NoCache(_cpu.NoCache):
 
     def write(self, layer: int, k, v) -> None:
         self._check_layer(layer)
-        _check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
-        _check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
+        check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
+        check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         self._k[layer], self._v[layer] = k, v
 
     def attend(self, layer: int, q):
@@ -82,35 +90,33 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     """A preallocated cache on the device: ``k, v: [layers, max_seqs, Hkv, max_len, D]``.
 
     Sequence slots, lengths, capacity checks and step commit/rollback are the
-    NumPy class's (inherited); this class owns the device storage, ``write``,
-    ``attend`` and the fused ``rope_write_attend``.
+    NumPy class's (inherited, constructor included); this class owns the device
+    storage (``_new_buffer``), ``write``, ``attend`` and the fused ``rope_write_attend``.
 
-    ``num_splits`` (``None`` = automatic) sets how many ranges a sequence's
-    history is split into for attention. Automatic aims for ``BLOCKS_PER_SM``
-    blocks per multiprocessor and at least ``MIN_KEYS_PER_SPLIT`` keys per
-    range; the simulator counts as one multiprocessor, so there only launches
-    of fewer than ``BLOCKS_PER_SM`` blocks over long histories split.
+    ``version`` (None, 1 or 2; see the module docstring) and ``num_splits`` (``None`` =
+    automatic) choose the attention kernel and how many ranges a sequence's history
+    is split into. Automatic aims for ``BLOCKS_PER_SM`` blocks per multiprocessor and
+    at least ``MIN_KEYS_PER_SPLIT`` keys per range; the simulator counts as one
+    multiprocessor, so there only launches of fewer than ``BLOCKS_PER_SM`` blocks over
+    long histories split.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
-                 dtype=np.float32, *, runtime=None, num_splits: int | None = None):
-        # Not super().__init__: that would allocate the NumPy storage. Set up the same bookkeeping instead.
-        KVCacheBase.__init__(self, num_layers, num_kv_heads, head_dim, dtype)
-        for name, val in (("max_seqs", max_seqs), ("max_len", max_len)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ConfigError(f"{name}={val!r} must be a positive integer")
-        if num_splits is not None and not (isinstance(num_splits, (int, np.integer)) and num_splits >= 1):
-            raise ConfigError(f"num_splits={num_splits!r}; use None (automatic) or a positive integer")
-        self.defines = {**head_dim_defines(head_dim), "CACHE_HALF": int(self.dtype == np.float16)}
-        self.rt = get_runtime(runtime)
-        self.max_seqs, self.max_len = int(max_seqs), int(max_len)
-        self.num_splits = num_splits
-        shape = (self.num_layers, self.max_seqs, self.num_kv_heads, self.max_len, self.head_dim)
-        self.k = self.rt.xp.zeros(shape, dtype=self.dtype)
-        self.v = self.rt.xp.zeros(shape, dtype=self.dtype)
-        self._slot: dict = {}
-        self._len = np.zeros(self.max_seqs, dtype=np.int64)
+                 dtype=np.float32, *, runtime=None, version: int | None = None, num_splits: int | None = None):
+        head_dim_defines(head_dim)  # fail before allocating anything
+        self.version = check_version(version)
+        self.num_splits = _check_num_splits(num_splits)
+        if version == 1 and num_splits not in (None, 1):
+            raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} needs "
+                              "version=2 (or None)")
+        self.rt = get_runtime(runtime)  # _new_buffer, called by the NumPy constructor, needs it
         self._dev: dict | None = None  # this step's per-token slot/pos on the device
+        super().__init__(num_layers, num_kv_heads, head_dim, max_seqs, max_len, dtype)
+        self.defines = cache_defines(self.head_dim, self.dtype)
+
+    def _new_buffer(self, shape: tuple):
+        """The storage hook: a zeroed K or V store on the device."""
+        return self.rt.xp.zeros(shape, dtype=self.dtype)
 
     @classmethod
     def supported_dtypes(cls) -> tuple:
@@ -136,8 +142,8 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     def write(self, layer: int, k, v) -> None:
         """Store the step's new keys/values. k, v: [N, Hkv, D] float32 (keys already rotated)."""
         self._check_layer(layer)
-        _check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
-        _check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
+        check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
+        check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         k, v = device_f32(self.rt, k, "k"), device_f32(self.rt, v, "v")
         n = self._step.num_tokens
         vectors = n * self.num_kv_heads * (self.head_dim // 8)
@@ -146,12 +152,14 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
              (k, v, self.k, self.v, self._dev["slot"], self._dev["pos"], np.int32(layer), np.int32(n),
               np.int32(self.num_kv_heads), np.int32(self.max_seqs), np.int32(self.max_len)))
 
-    def attend(self, layer: int, q, *, num_splits: int | None = None):
+    def attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None):
         """Attention of the step's queries over each sequence's cached history (this step's rows
-        included, causally). q: [N, Hq, D] float32 -> [N, Hq, D] float32."""
-        return self.prepare_attend(layer, q, num_splits=num_splits)()
+        included, causally). q: [N, Hq, D] float32 -> [N, Hq, D] float32. ``version`` and
+        ``num_splits`` override the cache's for this call."""
+        return self.prepare_attend(layer, q, version=version, num_splits=num_splits)()
 
-    def rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *, num_splits: int | None = None):
+    def rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *, version: int | None = None,
+                          num_splits: int | None = None):
         """The fused kernel: ``write(layer, rope(k), v)`` then ``attend(layer, rope(q))`` in one launch.
 
         q: [N, Hq, D], k/v: [N, Hkv, D] float32, *before* RoPE; cos/sin: [N, D/2] at the
@@ -159,19 +167,21 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         Decode steps only (every sequence brings one token): a sequence's new tokens
         would otherwise need keys written by other blocks of the same launch.
         """
-        return self.prepare_rope_write_attend(layer, q, k, v, cos, sin, layout, num_splits=num_splits)()
+        return self.prepare_rope_write_attend(layer, q, k, v, cos, sin, layout, version=version,
+                                              num_splits=num_splits)()
 
     # -- launches prepared once, for timing ------------------------------------------------
-    def prepare_attend(self, layer: int, q, *, num_splits: int | None = None):
+    def prepare_attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None):
         """Validate ``attend``'s arguments and allocate its buffers; return ``launch()``, which runs
         the kernel(s) and returns the output array (the same array every call). Benchmarks time
-        ``launch`` alone, without Python-side checks and allocations."""
+        ``launch`` alone, without Python-side checks and allocations. ``launch.version``,
+        ``launch.splits`` and ``launch.keys_per_split`` say what was chosen."""
         self._check_layer(layer)
         q = self._check_query(q)
-        return self._plan_attention("decode_attention_v1", layer, q, (), num_splits)
+        return self._plan_attention("decode_attention", layer, q, (), version, num_splits)
 
     def prepare_rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *,
-                                  num_splits: int | None = None):
+                                  version: int | None = None, num_splits: int | None = None):
         """``prepare_attend`` for the fused kernel (see ``rope_write_attend``)."""
         self._check_layer(layer)
         step = self._require_step()
@@ -181,8 +191,8 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         if layout not in ("interleaved", "half"):
             raise ConfigError(f"rope layout {layout!r}; use 'interleaved' or 'half'")
         q = self._check_query(q)
-        _check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
-        _check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
+        check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
+        check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         half = (step.num_tokens, self.head_dim // 2)
         for name, t in (("cos", cos), ("sin", sin)):
             if getattr(t, "shape", None) != half:
@@ -190,7 +200,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         rt = self.rt
         extra = (device_f32(rt, k, "k"), device_f32(rt, v, "v"), device_f32(rt, cos, "cos"),
                  device_f32(rt, sin, "sin"), np.int32(layout == "half"))
-        return self._plan_attention("decode_attention_v2", layer, q, extra, num_splits)
+        return self._plan_attention("rope_write_attend", layer, q, extra, version, num_splits)
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_query(self, q):
@@ -212,41 +222,49 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         max_keys = self._dev["max_keys"]
         want = requested if requested is not None else self.num_splits
         if want is None:
-            target = BLOCKS_PER_SM * _multiprocessors(self.rt)
+            target = BLOCKS_PER_SM * multiprocessors(self.rt)
             want = min(-(-target // n_blocks), -(-max_keys // MIN_KEYS_PER_SPLIT))
         want = max(1, min(int(want), -(-max_keys // KEY_TILE)))  # never an empty split on the longest sequence
         per = -(-max_keys // want)
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
         return -(-max_keys // per), per
 
-    def _plan_attention(self, name: str, layer: int, q, extra: tuple, num_splits: int | None):
+    def _choose(self, version, num_splits, n_blocks: int) -> tuple[int, int, int]:
+        """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
+        automatic); None: v2 when the split count comes out above 1."""
+        version = check_version(version if version is not None else self.version)
+        if version == 1 and num_splits not in (None, 1):
+            raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
+                              "needs version=2 (or None)")
+        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
+        return version or (2 if splits > 1 else 1), splits, per
+
+    def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits):
         rt, xp = self.rt, self.rt.xp
         n, hq, d = q.shape
         group = hq // self.num_kv_heads
-        splits, per = self._splits(num_splits, n * self.num_kv_heads)
+        version, splits, per = self._choose(version, num_splits, n * self.num_kv_heads)
         out = xp.empty((n, hq, d), dtype=np.float32)
-        part_acc = xp.empty((n, hq, splits, d) if splits > 1 else (1,), dtype=np.float32)
-        part_ml = xp.empty((n, hq, splits, 2) if splits > 1 else (1,), dtype=np.float32)
-        args = (q,) + extra + (self.k, self.v, self._dev["slot"], self._dev["pos"], out, part_acc, part_ml,
-                               np.int32(layer), np.int32(hq), np.int32(self.num_kv_heads), np.int32(self.max_seqs),
-                               np.int32(self.max_len), np.int32(per), np.int32(splits), np.float32(1.0 / np.sqrt(d)))
-        kern = rt.kernel("kv_cache", name, defines=self.defines)
-        comb = rt.kernel("kv_cache", "decode_attention_combine_v1", defines=self.defines) if splits > 1 else None
-        comb_args = (part_acc, part_ml, self._dev["pos"], out, np.int32(hq), np.int32(per), np.int32(splits))
+        head = (q,) + extra + (self.k, self.v, self._dev["slot"], self._dev["pos"])
+        sizes = (np.int32(layer), np.int32(hq), np.int32(self.num_kv_heads), np.int32(self.max_seqs),
+                 np.int32(self.max_len))
+        scale = np.float32(1.0 / np.sqrt(d))
+        kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=self.defines)
+        grid = (n, self.num_kv_heads, splits)
+        if version == 1:
+            args, reduce = head + (out,) + sizes + (scale,), None
+        else:
+            parts = (xp.empty((n, hq, splits), dtype=np.float32), xp.empty((n, hq, splits), dtype=np.float32),
+                     xp.empty((n, hq, splits, d), dtype=np.float32))
+            args = head + parts + sizes + (np.int32(per), np.int32(splits), scale)
+            reduce = rt.kernel("kv_cache", "attention_reduce_v2", defines=self.defines)
+            reduce_args = parts + (self._dev["pos"], out, np.int32(hq), np.int32(per), np.int32(splits))
 
         def launch():
-            kern((n, self.num_kv_heads, splits), (32 * group,), args, shared_mem=4 * group * d)
-            if comb is not None:
-                comb((n, hq), (d,), comb_args)
+            kern(grid, (32 * group,), args, shared_mem=4 * group * d)
+            if reduce is not None:
+                reduce((n, hq), (32,), reduce_args)
             return out
 
-        launch.splits, launch.keys_per_split = splits, per
+        launch.version, launch.splits, launch.keys_per_split = version, splits, per
         return launch
-
-
-def _multiprocessors(rt) -> int:
-    """Streaming multiprocessors of the current device (1 on the simulator)."""
-    if rt.name != "cupy":
-        return 1
-    dev = rt.xp.cuda.Device()
-    return int(dev.attributes["MultiProcessorCount"])

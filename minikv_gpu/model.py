@@ -21,9 +21,9 @@ import numpy as np
 from minikv import model as _cpu
 from minikv.errors import ConfigError, DTypeError, ShapeError
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
-from minikv_gpu.attention import device_f32, get_runtime, head_dim_defines
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
 from minikv_gpu.paged import PagedKVCache
+from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines
 
 __all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "silu", "swiglu", "rope_tables",
            "apply_rope", "random_model", "from_cpu"]

@@ -11,7 +11,7 @@ and data movement move to the device (``kernels/paged.cu``):
 * ``write``  -> ``reshape_and_cache``: each new K/V row to its slot;
 * ``attend`` -> ``paged_decode_attention_v1`` (one block per (token, KV head)
   walks the whole context through the block table) or ``..._v2`` (split-K:
-  partitions of the context in parallel, merged by ``paged_attention_reduce_v2``);
+  partitions of the context in parallel, merged by the shared ``attention_reduce_v2``);
 * copy-on-write and swap -> ``copy_blocks`` (through the storage hooks
   ``_copy_blocks``, ``_swap_out_blocks``, ``_swap_in_blocks`` of the NumPy class).
 
@@ -43,21 +43,22 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import paged as _cpu
+from minikv.block_allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for  # host-side, as is
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
-from minikv.paged import (  # host-side bookkeeping, shared with the NumPy wing as is
-    Block,
-    BlockAllocator,
-    HashFn,
-    chain_hash,
-    check_paged_attention_args,
-    default_blocks_per_tile,
-    num_blocks_for,
-    query_positions,
-    slot_mapping,
+from minikv.paged import check_paged_attention_args, default_blocks_per_tile, query_positions, slot_mapping
+from minikv_gpu.runtime import (
+    BLOCKS_PER_SM,
+    STATIC_SMEM_LIMIT,
+    cache_defines,
+    check_device_rows,
+    check_version,
+    device_f32,
+    get_runtime,
+    head_dim_defines,
+    host_array,
+    multiprocessors,
 )
-from minikv_gpu.attention import device_f32, get_runtime, head_dim_defines
-from minikv_gpu.kv_cache import BLOCKS_PER_SM, STATIC_SMEM_LIMIT, _check_device_rows, _multiprocessors
 
 __all__ = ["Block", "BlockAllocator", "chain_hash", "num_blocks_for", "slot_mapping", "default_blocks_per_tile",
            "query_positions", "check_paged_attention_args", "reshape_and_cache", "paged_attention", "copy_blocks",
@@ -73,11 +74,6 @@ POOL_DTYPES = (np.float32, np.float16)
 
 # --- checks shared by the functions and the cache ---------------------------------------------
 
-def _host(rt, a) -> np.ndarray:
-    """A small index array (host or device) as a NumPy array."""
-    return rt.asnumpy(a) if isinstance(a, rt.xp.ndarray) else np.asarray(a)
-
-
 def _pool_defines(rt, name: str, pool, head_dim: int) -> dict:
     """Compile-time defines for a device pool; raises if it is not a C-contiguous float32/float16 device array."""
     if not isinstance(pool, rt.xp.ndarray):
@@ -88,7 +84,7 @@ def _pool_defines(rt, name: str, pool, head_dim: int) -> dict:
     if not pool.flags.c_contiguous:
         raise ShapeError(f"{name} is not C-contiguous; the kernels index it as a dense "
                          f"[blocks, block_size, Hkv, D] array (pass xp.ascontiguousarray({name}))")
-    return {**head_dim_defines(head_dim), "CACHE_HALF": int(pool.dtype == np.float16)}
+    return cache_defines(head_dim, pool.dtype)
 
 
 def _check_group(hq: int, hkv: int, d: int) -> int:
@@ -110,13 +106,6 @@ def _check_partition_size(partition_size) -> int:
     return int(partition_size)
 
 
-def _check_version(version):
-    if version not in (None, 1, 2):
-        raise ConfigError(f"version={version!r}; paged attention has versions 1 (one block per token and KV head) "
-                          "and 2 (split-K partitions + reduce), or None to choose by context length")
-    return version
-
-
 def choose_version(max_context: int, n_tokens: int, n_kv_heads: int, partition_size: int = PARTITION_SIZE,
                    runtime=None) -> int:
     """The attention version for a launch (see the module docstring): 1 or 2."""
@@ -125,7 +114,7 @@ def choose_version(max_context: int, n_tokens: int, n_kv_heads: int, partition_s
     if max_context > V1_MAX_CONTEXT:
         return 2
     blocks = n_tokens * n_kv_heads
-    return 2 if blocks < BLOCKS_PER_SM * _multiprocessors(get_runtime(runtime)) else 1
+    return 2 if blocks < BLOCKS_PER_SM * multiprocessors(get_runtime(runtime)) else 1
 
 
 # --- the kernels as functions ----------------------------------------------------------------
@@ -159,7 +148,7 @@ def reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, *, runtime=None) -> No
     k, v = device_f32(rt, k, "k"), device_f32(rt, v, "v")
     if k.ndim != 3 or k.shape[1:] != (hkv, d) or v.shape != k.shape:
         raise ShapeError(f"k.shape={k.shape}, v.shape={v.shape}; expected [N, Hkv={hkv}, D={d}] for these pools")
-    slots = _host(rt, slot_mapping)
+    slots = host_array(rt, slot_mapping)
     if slots.shape != (k.shape[0],) or slots.dtype.kind not in "iu":
         raise ShapeError(f"slot_mapping: {slots.dtype} {slots.shape}; expected [N={k.shape[0]}] integers")
     live = slots[slots != -1]
@@ -199,20 +188,18 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
         parts = 1
     else:
         parts = -(-max_context // partition_size)
-        part_out = xp.empty((n, hq, parts, d), dtype=np.float32)
-        part_m = xp.empty((n, hq, parts), dtype=np.float32)
-        part_l = xp.empty((n, hq, parts), dtype=np.float32)
+        partials = (xp.empty((n, hq, parts), dtype=np.float32), xp.empty((n, hq, parts), dtype=np.float32),
+                    xp.empty((n, hq, parts, d), dtype=np.float32))  # m, l, acc: kernels/split_k.cuh
         kern = rt.kernel("paged", "paged_decode_attention_v2", defines=defines)
-        reduce = rt.kernel("paged", "paged_attention_reduce_v2", defines=defines)
-        args = (q, k_pool, v_pool, tables, token_seq, token_pos, part_out, part_m, part_l) + common + (
+        reduce = rt.kernel("paged", "attention_reduce_v2", defines=defines)
+        args = (q, k_pool, v_pool, tables, token_seq, token_pos) + partials + common + (
             np.int32(partition_size), np.int32(parts), scale)
-        reduce_args = (part_out, part_m, part_l, token_pos, out, np.int32(hq), np.int32(partition_size),
-                       np.int32(parts))
+        reduce_args = partials + (token_pos, out, np.int32(hq), np.int32(partition_size), np.int32(parts))
 
         def launch():
             if n:
                 kern((n, hkv, parts), block, args, shared_mem=smem)
-                reduce((n, hq), (d,), reduce_args)
+                reduce((n, hq), (32,), reduce_args)
             return out
     launch.version, launch.partitions = version, parts
     return launch
@@ -236,11 +223,11 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     keys 0 .. that position; stale slots past a context are never read.
     """
     rt = get_runtime(runtime)
-    _check_version(version)
+    check_version(version)
     partition_size = _check_partition_size(partition_size)
     tables, ctx, qlens, _ = check_paged_attention_args(
-        q, k_pool, v_pool, _host(rt, block_tables), _host(rt, context_lens),
-        None if query_lens is None else _host(rt, query_lens), blocks_per_tile)
+        q, k_pool, v_pool, host_array(rt, block_tables), host_array(rt, context_lens),
+        None if query_lens is None else host_array(rt, query_lens), blocks_per_tile)
     n, hq, d = q.shape
     defines = _pool_defines(rt, "k_pool", k_pool, d)
     if _pool_defines(rt, "v_pool", v_pool, d) != defines:
@@ -285,7 +272,7 @@ def copy_blocks(src_k, src_v, dst_k, dst_v, pairs, *, runtime=None) -> None:
     for name, a in arrays.items():
         if _pool_defines(rt, name, a, a.shape[-1]) != defines:
             raise DTypeError(f"{name}.dtype={a.dtype} but src_k.dtype={src_k.dtype}; copy between pools of one dtype")
-    pairs = _host(rt, pairs)
+    pairs = host_array(rt, pairs)
     if pairs.size == 0:
         pairs = np.zeros((0, 2), dtype=np.int64)
     if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu":
@@ -327,12 +314,12 @@ class PagedKVCache(_cpu.PagedKVCache):
                  partition_size: int = PARTITION_SIZE):
         head_dim_defines(head_dim)  # fail before allocating anything
         self.rt = get_runtime(runtime)  # _new_pool, called by the NumPy constructor, needs it
-        self.version = _check_version(version)
+        self.version = check_version(version)
         self.partition_size = _check_partition_size(partition_size)
         self._dev: dict | None = None
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, num_host_blocks,
                          enable_prefix_caching, hash_fn, blocks_per_tile)
-        self.defines = {**head_dim_defines(self.head_dim), "CACHE_HALF": int(self.dtype == np.float16)}
+        self.defines = cache_defines(self.head_dim, self.dtype)
 
     @classmethod
     def supported_dtypes(cls) -> tuple:
@@ -384,8 +371,8 @@ class PagedKVCache(_cpu.PagedKVCache):
     def write(self, layer: int, k, v) -> None:
         """Store the step's new K/V (k, v: [N, Hkv, D] float32) into their slots of layer ``layer``'s pool."""
         self._check_layer(layer)
-        _check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
-        _check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
+        check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
+        check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         _launch_write(self.rt, self.defines, device_f32(self.rt, k, "k"), device_f32(self.rt, v, "v"),
                       self.k_pool[layer], self.v_pool[layer], self._dev["slots"])
 
@@ -404,7 +391,7 @@ class PagedKVCache(_cpu.PagedKVCache):
             raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, "
                              f"Hq, D={self.head_dim}] with Hq a multiple of Hkv={self.num_kv_heads}")
         _check_group(q.shape[1], self.num_kv_heads, self.head_dim)
-        version = _check_version(version if version is not None else self.version)
+        version = check_version(version if version is not None else self.version)
         d = self._dev
         return _plan_attention(self.rt, self.defines, device_f32(self.rt, q, "q"), self.k_pool[layer],
                                self.v_pool[layer], d["tables"], d["seq"], d["pos"], d["max_context"], version,

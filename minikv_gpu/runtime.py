@@ -18,6 +18,17 @@ On CuPy, kernels compile with NVRTC (``cupy.RawModule(code=..., options=("-std=c
 NVRTC gets ``-I`` for the first folder holding ``cuda_fp16.h`` among ``$CUDA_PATH/include``,
 ``$CUDA_HOME/include``, ``/usr/local/cuda/include`` and the ``nvidia-*`` pip packages. If none
 is found, set ``CUDA_PATH``.
+
+Kernel sources ``#include "..."`` the headers next to them (``common.cuh``,
+``online_softmax.cuh``, ...): both backends compile with the kernels folder on the include
+path, and every compiled-module cache key (the simulator's on disk, CuPy's in memory and
+CuPy's own on disk) covers the text of every header a source includes, transitively.
+
+The device helpers that every step module (``attention``, ``kv_cache``, ``paged``,
+``model``) shares live here too: ``device_f32``, ``head_dim_defines``, ``cache_defines``,
+``check_device_rows``, ``host_array``, ``multiprocessors`` (from a per-device cache of the
+device's attributes) and the launch constants ``STATIC_SMEM_LIMIT``, ``BLOCKS_PER_SM``,
+``MAX_HEAD_DIM``.
 """
 
 from __future__ import annotations
@@ -29,7 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
-from minikv.errors import BackendUnavailableError, InvalidInputError, KernelCompileError
+from minikv.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    DTypeError,
+    InvalidInputError,
+    KernelCompileError,
+    ShapeError,
+)
 
 from . import cpu_sim
 from .cpu_sim.signature import KernelDecl, check_args, find_kernels
@@ -38,6 +56,11 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BACKENDS = ("cupy", "sim")
 ENV_VAR = "MINIKV_GPU_BACKEND"
 DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a CUDA kernel must opt in to more dynamic shared memory
+STATIC_SMEM_LIMIT = 48 * 1024     # static shared memory per block (the K/V tiles of the attention kernels)
+MAX_HEAD_DIM = 128                # the attention kernels' register accumulators and tiles are sized for it
+BLOCKS_PER_SM = 4  # split-K heuristics aim for this many blocks per multiprocessor (a block is only
+#                    G warps, so one per SM leaves too few loads in flight to stream from HBM);
+#                    a first guess: benchmarks/gpu_check.py sweeps the split count to tune it
 
 
 class Runtime:
@@ -73,13 +96,19 @@ class Runtime:
                                                defines, KERNEL_DIR)
         return self._kernels[key]
 
-    def kernel_from_source(self, source: str, name: str, defines: dict | None = None):
-        """Kernel ``name`` compiled from a source string (tests, notebooks)."""
+    def kernel_from_source(self, source: str, name: str, defines: dict | None = None, *,
+                           include_kernels: bool = False):
+        """Kernel ``name`` compiled from a source string (tests, notebooks).
+
+        ``include_kernels``: put minikv_gpu/kernels on the include path, so the source may
+        ``#include "online_softmax.cuh"`` and the other headers there.
+        """
         if not isinstance(source, str):
             raise InvalidInputError(f"source must be a str of CUDA C, got {type(source).__name__}")
-        key = ("source", source, name, _defines_key(defines))
+        key = ("source", source, name, _defines_key(defines), bool(include_kernels))
         if key not in self._kernels:
-            self._kernels[key] = self._compile(source, "<source>", name, defines, None)
+            self._kernels[key] = self._compile(source, "<source>", name, defines,
+                                               KERNEL_DIR if include_kernels else None)
         return self._kernels[key]
 
     def _compile(self, source: str, filename: str, name: str, defines: dict | None, source_dir: Path | None):
@@ -168,11 +197,14 @@ class CupyRuntime(Runtime):
 
     def _compile(self, source, filename, name, defines, source_dir):
         options = self._base_options + tuple(cpu_sim.define_flags(defines))
-        if source_dir is not None:
-            options += (f"-I{source_dir}",)
-        key = (source, options)
+        dirs = [source_dir] if source_dir is not None else []
+        options += tuple(f"-I{d}" for d in dirs)
+        # CuPy's own disk cache hashes the code and options, not the headers: a trailing comment with
+        # the headers' digest makes an edited header a new module (and the line numbers stay as they are).
+        code = source + f"\n// minikv includes: {cpu_sim.build.includes_digest(source, dirs)}\n"
+        key = (code, options)
         if key not in self._modules:
-            self._modules[key] = (self.xp.RawModule(code=source, options=options),
+            self._modules[key] = (self.xp.RawModule(code=code, options=options),
                                   _declared_kernels(source, filename, defines, source_dir))
         module, decls = self._modules[key]
         try:
@@ -224,8 +256,13 @@ def _auto_backend() -> str:
 _RUNTIMES: dict[str, Runtime] = {}
 
 
-def get_runtime(backend: str | None = None) -> Runtime:
-    """The runtime for ``backend`` ("cupy" or "sim"); None: $MINIKV_GPU_BACKEND, else cupy if usable, else sim."""
+def get_runtime(backend: str | Runtime | None = None) -> Runtime:
+    """The runtime for ``backend`` ("cupy" or "sim"); None: $MINIKV_GPU_BACKEND, else cupy if usable, else sim.
+
+    A ``Runtime`` is returned as it is, so that ``runtime=`` arguments take either.
+    """
+    if isinstance(backend, Runtime):
+        return backend
     if backend is None:
         backend = os.environ.get(ENV_VAR, "").strip().lower() or None
         if backend is not None and backend not in BACKENDS:
@@ -251,4 +288,86 @@ def default_runtime() -> Runtime:
     return get_runtime(None)
 
 
-__all__ = ["BACKENDS", "CupyRuntime", "Runtime", "SimRuntime", "default_runtime", "get_runtime"]
+# --- device helpers shared by the step modules ------------------------------------------------
+
+VERSIONS = (1, 2)  # attention kernel versions of both GPU caches: 1 one block per (token, KV head), 2 split-K
+
+
+def check_version(version):
+    """A cache's ``version=`` knob (the same in ``kv_cache`` and ``paged``): None (choose per step), 1 or 2."""
+    if version is not None and (isinstance(version, bool) or version not in VERSIONS):
+        raise ConfigError(f"version={version!r}; attention has versions 1 (one block per token and KV head) "
+                          "and 2 (split-K partitions + reduce), or None to choose per step")
+    return version
+
+
+def device_f32(rt: Runtime, a, name: str):
+    """``a`` as a C-contiguous float32 array on ``rt``'s device.
+
+    Host NumPy arrays are copied over; anything that is not float32 raises
+    DTypeError rather than being cast silently (a float64 input usually means a
+    float64 scalar promoted something upstream, which is a bug worth seeing).
+    """
+    dtype = getattr(a, "dtype", None)
+    if dtype is None or not hasattr(a, "shape"):
+        raise DTypeError(f"{name} must be an array, got {type(a).__name__}")
+    if np.dtype(dtype) != np.float32:
+        raise DTypeError(f"{name}.dtype={dtype}; the GPU kernels compute in float32, "
+                         f"cast with {name}.astype(np.float32)")
+    if not isinstance(a, rt.xp.ndarray):
+        a = rt.asarray(a)  # host -> device (on the simulator the "device" is the host: no copy needed)
+    return rt.xp.ascontiguousarray(a)
+
+
+def head_dim_defines(head_dim: int) -> dict:
+    """The compile-time defines of a kernel specialised to ``head_dim``; raises ConfigError if unsupported."""
+    if not (isinstance(head_dim, (int, np.integer)) and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
+        raise ConfigError(f"head_dim={head_dim}: the GPU kernels need a multiple of 8 between 8 and "
+                          f"{MAX_HEAD_DIM} (use the NumPy reference in minikv for other sizes)")
+    return {"HEAD_DIM": int(head_dim)}
+
+
+def cache_defines(head_dim: int, dtype) -> dict:
+    """``head_dim_defines`` plus ``CACHE_HALF`` for a cache storing ``dtype`` (float32 or float16)."""
+    return {**head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16)}
+
+
+def check_device_rows(cache, rt: Runtime, name: str, a, heads: int) -> None:
+    """``KVCacheBase._check_rows`` for device arrays: a [N, heads, D] float32 array of this step."""
+    step = cache._require_step()
+    want = (step.num_tokens, heads, cache.head_dim)
+    if not isinstance(a, (rt.xp.ndarray, np.ndarray)) or a.shape != want:
+        got = getattr(a, "shape", type(a).__name__)
+        raise ShapeError(f"{name}.shape={got}, expected [N, heads, D] = {want} for this step")
+    if a.dtype != np.float32:
+        raise DTypeError(f"{name}.dtype={a.dtype}; the GPU cache takes float32 activations, "
+                         f"cast with {name}.astype(np.float32)")
+
+
+def host_array(rt: Runtime, a) -> np.ndarray:
+    """A small index array (host or device) as a NumPy array."""
+    return rt.asnumpy(a) if isinstance(a, rt.xp.ndarray) else np.asarray(a)
+
+
+_DEVICE_ATTRIBUTES: dict[int, dict] = {}
+
+
+def device_attributes(rt: Runtime) -> dict:
+    """The current CUDA device's attributes (``cupy.cuda.Device().attributes``), read once per device:
+    building the dict costs one driver call per attribute. Empty on the simulator."""
+    if rt.name != "cupy":
+        return {}
+    dev = rt.xp.cuda.Device()
+    if dev.id not in _DEVICE_ATTRIBUTES:
+        _DEVICE_ATTRIBUTES[dev.id] = dict(dev.attributes)
+    return _DEVICE_ATTRIBUTES[dev.id]
+
+
+def multiprocessors(rt: Runtime) -> int:
+    """Streaming multiprocessors of the current device (1 on the simulator)."""
+    return int(device_attributes(rt).get("MultiProcessorCount", 1))
+
+
+__all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "VERSIONS", "CupyRuntime", "Runtime",
+           "SimRuntime", "cache_defines", "check_device_rows", "check_version", "default_runtime",
+           "device_attributes", "device_f32", "get_runtime", "head_dim_defines", "host_array", "multiprocessors"]

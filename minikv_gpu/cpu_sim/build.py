@@ -1,6 +1,7 @@
 """Compile a .cu source with g++ into a shared library that the simulator loads with ctypes.
 
-Steps (cached on disk by a hash of everything that goes in):
+Steps (cached on disk by a hash of everything that goes in: the source, every local header it
+``#include "..."``s, transitively, the flags, the compiler and the simulator's own headers):
 1. rewrite ``extern __shared__`` to ``extern __minikv_extern_shared__`` (the one textual change:
    a ``static`` shared array cannot be ``extern``, so the two need different macros);
 2. preprocess with ``-DMINIKV_SIM_SCAN`` and read the kernels and dynamic shared arrays from
@@ -123,6 +124,34 @@ def _headers_digest() -> str:
     return _digest(*(p.name + p.read_text() for p in sorted(INCLUDE_DIR.iterdir()) if p.suffix == ".h"))
 
 
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def local_includes(source: str, include_dirs: list[Path]) -> list[Path]:
+    """The local headers (``#include "name"``) ``source`` pulls in, transitively, in first-seen order.
+
+    A name resolves against the including header's folder first (as the preprocessor does), then
+    ``include_dirs``; one that resolves nowhere is left for the compiler to report.
+    """
+    found: list[Path] = []
+    pending = [(source, None)]
+    while pending:
+        text, folder = pending.pop()
+        for name in _LOCAL_INCLUDE.findall(text):
+            dirs = ([folder] if folder is not None else []) + [Path(d) for d in include_dirs]
+            path = next((d / name for d in dirs if (d / name).is_file()), None)
+            if path is None or path.resolve() in found:
+                continue
+            found.append(path.resolve())
+            pending.append((path.read_text(), path.resolve().parent))
+    return found
+
+
+def includes_digest(source: str, include_dirs: list[Path]) -> str:
+    """A digest of the name and text of every local header ``source`` includes (``local_includes``)."""
+    return _digest(*(str(p) + "\0" + p.read_text() for p in local_includes(source, include_dirs)))
+
+
 def _run(cmd: list[str], what: str, stdin: str | None = None) -> str:
     proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -234,7 +263,7 @@ def build(source: str, filename: str, defines: dict | None = None, source_dir: P
     flags = _base_flags(opts) + [f"-I{d}" for d in include_dirs] + define_flags(defines)
     runtime_objs = _runtime_objects(cxx, opts)
     key = _digest(_FORMAT_VERSION, _compiler_id(cxx), " ".join(flags), _headers_digest(), filename, source,
-                  *(o.name for o in runtime_objs))
+                  includes_digest(source, include_dirs), *(o.name for o in runtime_objs))
     so_path, meta_path = cache_dir() / f"{key}.so", cache_dir() / f"{key}.json"
     if so_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())

@@ -17,7 +17,7 @@ from minikv.errors import (
     KernelLaunchError,
 )
 
-from .build import DYN_SHARED_CAPACITY, BuildOptions, build
+from .build import DYN_SHARED_CAPACITY, BuildOptions, build, includes_digest
 from .signature import KernelDecl, Param, check_args
 
 # Signal handlers and the watchdog timer are per process: one launch at a time.
@@ -150,9 +150,14 @@ _MODULES: dict[tuple, SimModule] = {}
 
 def load_module(source: str, filename: str = "<source>", defines: dict | None = None,
                 source_dir: Path | None = None) -> SimModule:
-    """Compile (or fetch from the caches) and load ``source`` for the simulator."""
+    """Compile (or fetch from the caches) and load ``source`` for the simulator.
+
+    Both caches (this process's loaded modules and the compiled ones on disk) are keyed by the
+    text of the source and of every local header it includes from ``source_dir``.
+    """
     opts = BuildOptions.from_env()
-    key = (source, filename, tuple(sorted((defines or {}).items())), str(source_dir), opts)
+    headers = includes_digest(source, [source_dir] if source_dir else [])
+    key = (source, headers, filename, tuple(sorted((defines or {}).items())), str(source_dir), opts)
     if key not in _MODULES:
         built = build(source, filename, defines, source_dir, opts)
         _MODULES[key] = SimModule(built.path, built.kernels, built.asan)

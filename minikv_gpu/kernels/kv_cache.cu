@@ -9,84 +9,47 @@
 // host passes slot[n] (the sequence's cache slot) and pos[n] (its absolute position):
 // token n's K/V go to position pos[n], and its query sees positions 0 .. pos[n].
 //
-// Kernels (llm.c style numbering):
-//   cache_write_v1               append the step's new K/V rows
-//   decode_attention_v1          attention of the step's queries over the cache (unfused:
-//                                RoPE and the cache write are separate launches before it)
-//   decode_attention_v2          the fused kernel: RoPE on q and k + cache write + attention
-//                                in one launch, for decode steps (one new token per sequence)
-//   decode_attention_combine_v1  merges the partial results of a split key range
+// Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per
+// (token, KV head) over the whole history, v2 split-K + the shared reduce, v3 reserved):
+//   cache_write_v1          append the step's new K/V rows
+//   decode_attention_v1     attention of the step's queries over the cache, one block per
+//                           (token, KV head) (RoPE and the cache write are separate launches)
+//   decode_attention_v2     the same, split-K: block (token, KV head, split) attends one key
+//                           range and writes a partial; attention_reduce_v2 merges them
+//   rope_write_attend_v1    fused, for decode steps (one new token per sequence): RoPE on q
+//                           and k + cache write + attention in one launch, one block per
+//                           (token, KV head)
+//   rope_write_attend_v2    the fused kernel, split-K (+ attention_reduce_v2)
+//   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
+// The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
+// and paged.cu.
+//
+// Version log (llm.c style):
+//   v1  one block per (token, KV head), the G query heads of the GQA group one warp each, so each
+//       K/V tile is read once per group. Before the renumbering, decode_attention_v1 did both v1 and
+//       v2 (its grid z split the keys, merged by decode_attention_combine_v1, which took unnormalized
+//       partials while paged.cu's reduce took normalized ones): both now share split_k.cuh's layout.
+//   v2  split-K (flash-decoding, vLLM's v2): a decode step with few sequences still fills the GPU.
+//   rope_write_attend_v1/v2 were decode_attention_v2 (one kernel, split by grid z): "fused" is an
+//       op of its own, not a version of decode attention.
+//   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
+//   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
+//   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
+//   kernel, 32-40), rope_write_attend_v1 36-41, rope_write_attend_v2 34-44, attention_reduce_v2
+//   31-32 (the old combine: 30-32); 0 spills and no stack frame anywhere.
 //
 // Offsets into the cache are computed in 64-bit: L*max_seqs*Hkv*max_len*D passes 2^31
 // easily (30 layers * 64 seqs * 3 heads * 8192 positions * 64 dims = 3.0e9).
 //
 // nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
 
-#include <cuda_fp16.h>
-#include <math_constants.h>  // CUDART_INF_F: NVRTC (CuPy) has no <math.h>, so no INFINITY
+#include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
+#include "split_k.cuh"       // write_partial, attention_reduce_v2
 
-#ifndef HEAD_DIM
-#define HEAD_DIM 64
-#endif
-#ifndef CACHE_HALF
-#define CACHE_HALF 0
-#endif
-#define KEY_TILE 32                          // keys per tile: lane j scores key j
-#define DIMS_PER_LANE ((HEAD_DIM + 31) / 32) // output dims owned by each lane
-#define VEC 8                                // elements per vector load/store (16 bytes of half)
-
-static_assert(HEAD_DIM % VEC == 0 && HEAD_DIM <= 128,
-              "HEAD_DIM must be a multiple of 8, at most 128 (static shared memory stays under 48 KB)");
-
-#if CACHE_HALF
-typedef __half cache_t;
-#else
-typedef float cache_t;
-#endif
-
-// --- conversions between 8 floats and 8 cache elements, with vector memory accesses ---
-
-__device__ __forceinline__ void load8(const float* src, float* f) {
-    const float4 a = *reinterpret_cast<const float4*>(src);
-    const float4 b = *reinterpret_cast<const float4*>(src + 4);
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-
-__device__ __forceinline__ void load8(const __half* src, float* f) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);  // one 16-byte load
-    const __half* h = reinterpret_cast<const __half*>(&raw);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) f[i] = __half2float(h[i]);
-}
-
-__device__ __forceinline__ void store8(float* dst, const float* f) {
-    *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
-    *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
-}
-
-__device__ __forceinline__ void store8(__half* dst, const float* f) {
-    uint4 raw;
-    __half* h = reinterpret_cast<__half*>(&raw);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) h[i] = __float2half_rn(f[i]);  // round to nearest, as NumPy's astype
-    *reinterpret_cast<uint4*>(dst) = raw;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
-// Element offset of cache[layer, slot, head, pos, 0], in 64 bits.
-__device__ __forceinline__ long long cache_offset(int layer, int slot, int head, int pos, int max_seqs,
-                                                  int n_kv_heads, int max_len) {
-    return ((((long long)layer * max_seqs + slot) * n_kv_heads + head) * max_len + pos) * HEAD_DIM;
+// Element offset of cache[layer, slot, head, 0, 0], in 64 bits.
+__device__ __forceinline__ long long cache_offset(int layer, int slot, int head, int max_seqs, int n_kv_heads,
+                                                  int max_len) {
+    return row_offset(((long long)layer * max_seqs + slot) * n_kv_heads + head, max_len, 0);
 }
 
 // ---------------------------------------------------------------------------
@@ -107,97 +70,62 @@ extern "C" __global__ void cache_write_v1(const float* __restrict__ k_new, const
     const int h = (int)((i % per_token) / (HEAD_DIM / VEC));
     const int d = (int)(i % (HEAD_DIM / VEC)) * VEC;
     const long long src = ((long long)n * n_kv_heads + h) * HEAD_DIM + d;
-    const long long dst = cache_offset(layer, slot[n], h, pos[n], max_seqs, n_kv_heads, max_len) + d;
-    float f[VEC];
-    load8(k_new + src, f);
-    store8(k_cache + dst, f);
-    load8(v_new + src, f);
-    store8(v_cache + dst, f);
+    const long long head = cache_offset(layer, slot[n], h, max_seqs, n_kv_heads, max_len);
+    const long long dst = head + (long long)pos[n] * HEAD_DIM + d;
+    write_kv8(k_new, v_new, src, k_cache, v_cache, dst);
 }
 
-// Attend the G queries in q_s (warp g owns query g) over cached keys [k_begin, k_end) of one
-// (layer, slot, kv head), carrying the online-softmax state (m, l, acc) of each warp.
-// All threads of the block call it (it has barriers). K/V tiles are loaded once per block and
-// read by every warp: this is where grouped-query attention saves memory traffic.
-__device__ __forceinline__ void attend_range(const cache_t* k_cache, const cache_t* v_cache, long long head_base,
-                                             int k_begin, int k_end, const float* q_s,
-                                             float (*k_s)[HEAD_DIM + 1], float (*v_s)[HEAD_DIM], float scale,
-                                             float& m, float& l, float* acc) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int k0 = k_begin; k0 < k_end; k0 += KEY_TILE) {
-        __syncthreads();  // everyone is done with the previous tile
-        for (int i = threadIdx.x; i < KEY_TILE * (HEAD_DIM / VEC); i += blockDim.x) {
-            const int j = i / (HEAD_DIM / VEC), d = (i % (HEAD_DIM / VEC)) * VEC;
-            float kf[VEC], vf[VEC];
-            if (k0 + j < k_end) {
-                const long long off = head_base + (long long)(k0 + j) * HEAD_DIM + d;
-                load8(k_cache + off, kf);
-                load8(v_cache + off, vf);
-            } else {
-                // Positions past the end are never read: a stale or never-written slot may hold
-                // NaN, and 0 * NaN = NaN would poison the sum even with probability 0.
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) kf[e] = vf[e] = 0.0f;
-            }
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) k_s[j][d + e] = kf[e];
-            store8(&v_s[j][d], vf);
-        }
-        __syncthreads();
+// What block (n, h, z) of every attention kernel here works on: the key range
+// [z * keys_per_split, min(pos[n] + 1, (z + 1) * keys_per_split)) of cache (layer, slot[n], h).
+// v1 kernels pass keys_per_split = max_len (one range, z = 0).
+struct CacheBlock {
+    int n, h, z, group, k_begin, k_end;
+    long long head_base;  // element offset of cache[layer, slot[n], h, 0, 0]
+    long long q_base;     // element offset of query (n, h*G) in [N, Hq, D]
+};
 
-        const int key = k0 + lane;
-        float score = -CUDART_INF_F;
-        if (key < k_end) {
-            float dot = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[warp * HEAD_DIM + d] * k_s[lane][d];
-            score = dot * scale;
-        }
-        // Every tile holds at least one key < k_end, so m_new is finite.
-        const float m_new = fmaxf(m, warp_max(score));
-        const float p = expf(score - m_new);  // 0 for keys past the end
-        const float alpha = expf(m - m_new);  // rescales the old state; 0 on the first tile
-        l = l * alpha + warp_sum(p);
-        m = m_new;
-#pragma unroll
-        for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] *= alpha;
-        for (int j = 0; j < KEY_TILE; ++j) {
-            const float pj = __shfl_sync(0xffffffffu, p, j);
-#pragma unroll
-            for (int c = 0; c < DIMS_PER_LANE; ++c) {
-                const int d = lane + 32 * c;
-                if (d < HEAD_DIM) acc[c] += pj * v_s[j][d];
-            }
-        }
-    }
+__device__ __forceinline__ CacheBlock cache_block(const int* slot, const int* pos, int layer, int n_heads,
+                                                  int n_kv_heads, int max_seqs, int max_len, int keys_per_split) {
+    CacheBlock c;
+    c.n = blockIdx.x, c.h = blockIdx.y, c.z = blockIdx.z;
+    c.group = n_heads / n_kv_heads;
+    c.k_begin = c.z * keys_per_split;
+    c.k_end = min(pos[c.n] + 1, c.k_begin + keys_per_split);
+    c.head_base = cache_offset(layer, slot[c.n], c.h, max_seqs, n_kv_heads, max_len);
+    c.q_base = row_offset(c.n, n_heads, (long long)c.h * c.group);
+    return c;
 }
 
-// Write one warp's result: the normalized output when the key range was not split, else the
-// unnormalized accumulator and (m, l) for decode_attention_combine_v1.
-__device__ __forceinline__ void write_result(float* out, float* part_acc, float* part_ml, int n, int q_head,
-                                             int n_heads, int split, int n_splits, float m, float l,
-                                             const float* acc) {
-    const int lane = threadIdx.x & 31;
-    if (n_splits == 1) {
-        const long long o = ((long long)n * n_heads + q_head) * HEAD_DIM;
-        const float inv_l = 1.0f / l;  // l >= 1: the running max itself contributes exp(0)
-#pragma unroll
-        for (int c = 0; c < DIMS_PER_LANE; ++c) {
-            const int d = lane + 32 * c;
-            if (d < HEAD_DIM) out[o + d] = acc[c] * inv_l;
-        }
-        return;
-    }
-    const long long p = ((long long)n * n_heads + q_head) * n_splits + split;
-#pragma unroll
-    for (int c = 0; c < DIMS_PER_LANE; ++c) {
-        const int d = lane + 32 * c;
-        if (d < HEAD_DIM) part_acc[p * HEAD_DIM + d] = acc[c];
-    }
-    if (lane == 0) {
-        part_ml[2 * p] = m;
-        part_ml[2 * p + 1] = l;
-    }
+// The fused prologue's inputs (rope_write_attend_v1/v2); q_raw == nullptr: not fused.
+struct RopeWrite {
+    const float *q_raw, *k_raw, *v_new, *cos_t, *sin_t;
+    int half_layout;
+    cache_t *k_cache, *v_cache;  // the same arrays the block then reads
+};
+
+__device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWrite& f, int p_n, int n_kv_heads,
+                                               float* q_s);
+
+// The body of every attention kernel here, block (n, h, z): the group's G queries into shared
+// memory (copied from q, or rotated by the fused prologue, which also appends the new K/V row),
+// attention over the block's key range, and each warp's result written normalized into out (v1)
+// or as split partial (n, h*G + warp, z) (v2, part_m != nullptr).
+__device__ __forceinline__ void cache_attention(const CacheBlock& c, const float* q, const RopeWrite& f,
+                                                const cache_t* k_cache, const cache_t* v_cache, const int* pos,
+                                                int n_kv_heads, float scale, float* out, float* part_m,
+                                                float* part_l, float* part_acc, int n_splits) {
+    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
+    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
+    extern __shared__ float q_s[];                            // [G][D]
+    const int warp = threadIdx.x >> 5;
+    if (f.q_raw != nullptr) rope_and_write(c, f, pos[c.n], n_kv_heads, q_s);
+    else load_queries(q + c.q_base, q_s, c.group * HEAD_DIM);
+    DenseRows rows{c.head_base};
+    online_softmax::State s = online_softmax::start();
+    attend_tiles(k_cache, v_cache, rows, c.k_begin, c.k_end, c.k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s);
+    const long long row = c.q_base / HEAD_DIM + warp;  // (n, h*G + warp)
+    if (part_m == nullptr) online_softmax::finish(s, out + row * HEAD_DIM);
+    else write_partial(s, part_m, part_l, part_acc, row * n_splits + c.z);
 }
 
 // ---------------------------------------------------------------------------
@@ -205,156 +133,126 @@ __device__ __forceinline__ void write_result(float* out, float* part_acc, float*
 // positions 0 .. pos[n] of slot[n], KV head h.
 //
 //   q:    [N, Hq, D] float32, already rotated;   G = Hq / Hkv query heads per KV head
-//   grid  = (N, Hkv, n_splits)   block (n, h, z) serves the whole GQA group of KV head h,
-//                                keys [z*keys_per_split, (z+1)*keys_per_split) ∩ [0, pos[n]]
-//   block = (32 * G)             warp g owns query head h*G + g
+//   grid  = (N, Hkv)       block (n, h) serves the whole GQA group of KV head h
+//   block = (32 * G)       warp g owns query head h*G + g
 //   shared: static K tile 32*(D+1) + V tile 32*D floats (D=64: 16.3 KB, D=128: 32.5 KB),
 //           dynamic G*D floats for the queries (launch with shared_mem = 4*G*D)
 //   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (K and V, each
-//          element once per GQA group, not once per query head), writes 4*N*Hq*D; with
-//          n_splits > 1 it writes 4*N*Hq*n_splits*(D+2) partials instead (read back by combine).
-//
-// Splitting the key range (vLLM's v2, flash-decoding) gives a long sequence more than one
-// block, so a decode step with few sequences still fills the GPU.
+//          element once per GQA group, not once per query head), writes 4*N*Hq*D.
 // ---------------------------------------------------------------------------
 extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
                                                const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
-                                               const int* __restrict__ pos, float* out, float* part_acc,
-                                               float* part_ml, int layer, int n_heads, int n_kv_heads,
-                                               int max_seqs, int max_len, int keys_per_split, int n_splits,
-                                               float scale) {
-    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // +1 float per row: lane j reads row j bank-free
-    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
-    extern __shared__ float q_s[];                  // [G][D]
-
-    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
-    const int group = n_heads / n_kv_heads, warp = threadIdx.x >> 5;
-    const int k_begin = z * keys_per_split;
-    const int k_end = min(pos[n] + 1, k_begin + keys_per_split);
-    if (k_begin >= k_end) return;  // this split lies past the sequence's end (whole block leaves)
-
-    const long long q_base = ((long long)n * n_heads + (long long)h * group) * HEAD_DIM;
-    for (int i = threadIdx.x; i < group * HEAD_DIM; i += blockDim.x) q_s[i] = q[q_base + i];
-
-    float m = -CUDART_INF_F, l = 0.0f, acc[DIMS_PER_LANE];
-#pragma unroll
-    for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] = 0.0f;
-    const long long head_base = cache_offset(layer, slot[n], h, 0, max_seqs, n_kv_heads, max_len);
-    attend_range(k_cache, v_cache, head_base, k_begin, k_end, q_s, k_s, v_s, scale, m, l, acc);
-    write_result(out, part_acc, part_ml, n, h * group + warp, n_heads, z, n_splits, m, l, acc);
+                                               const int* __restrict__ pos, float* __restrict__ out, int layer,
+                                               int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale) {
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, max_len);
+    cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1);
 }
 
 // ---------------------------------------------------------------------------
-// decode_attention_v2, the fused kernel: for decode steps (one new token per sequence) it
-// does in one launch what v1 needs three for (rope_v1 on q and k, cache_write_v1,
-// decode_attention_v1):
-//   1. rotate the G raw queries of the group into shared memory;
-//   2. the block whose split holds position pos[n] rotates the raw key, and writes key and
-//      value into the cache (rounded to CACHE_T, exactly as cache_write_v1 stores them);
-//   3. attend over the cache, the new row included, read back like any other row.
+// decode_attention_v2 (split-K, flash-decoding): as v1, but block (n, h, z) attends keys
+// [z*keys_per_split, (z+1)*keys_per_split) ∩ [0, pos[n]] only and writes split partials
+// (split_k.cuh's layout); attention_reduce_v2 merges them. A long sequence gets more than one
+// block, so a decode step with few sequences still fills the GPU.
+//
+//   grid  = (N, Hkv, Z)    splits past a token's history leave at once (write nothing)
+//   block, shared: as v1
+//   bytes: v1's reads; writes 4*N*Hq*Zu*(D+2) partials (Zu = splits holding keys), read back
+//          by attention_reduce_v2.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void decode_attention_v2(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
+                                               const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
+                                               const int* __restrict__ pos, float* __restrict__ part_m,
+                                               float* __restrict__ part_l, float* __restrict__ part_acc, int layer,
+                                               int n_heads, int n_kv_heads, int max_seqs, int max_len,
+                                               int keys_per_split, int n_splits, float scale) {
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
+    if (c.k_begin >= c.k_end) return;  // this split lies past the sequence's end (whole block leaves)
+    cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
+                    n_splits);
+}
+
+// The fused prologue (rope_write_attend_v1/v2):
+//   1. rotate the G raw queries of the group into shared memory, one thread per (query, pair);
+//   2. the block whose key range holds position p_n = pos[n] rotates the raw key and writes key
+//      and value into the cache (rounded to CACHE_T, exactly as cache_write_v1 stores them).
+// (attend_tiles starts with __syncthreads(): it orders both writes before any read.)
+__device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWrite& f, int p_n, int n_kv_heads,
+                                               float* q_s) {
+    const int half = HEAD_DIM / 2;
+    const float* cs = f.cos_t + (long long)c.n * half;
+    const float* sn = f.sin_t + (long long)c.n * half;
+    for (int i = threadIdx.x; i < c.group * half; i += blockDim.x) {
+        const int g = i / half, j = i % half;
+        const int ia = f.half_layout ? j : 2 * j, ib = f.half_layout ? j + half : 2 * j + 1;
+        const float a = f.q_raw[c.q_base + g * HEAD_DIM + ia], b = f.q_raw[c.q_base + g * HEAD_DIM + ib];
+        q_s[g * HEAD_DIM + ia] = a * cs[j] - b * sn[j];
+        q_s[g * HEAD_DIM + ib] = b * cs[j] + a * sn[j];
+    }
+    if (p_n >= c.k_end) return;  // i.e. p_n == k_end - 1: only the last non-empty range writes
+    const long long src = row_offset(c.n, n_kv_heads, c.h);
+    const long long dst = c.head_base + (long long)p_n * HEAD_DIM;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const int ia = f.half_layout ? j : 2 * j, ib = f.half_layout ? j + half : 2 * j + 1;
+        const float a = f.k_raw[src + ia], b = f.k_raw[src + ib];
+        f.k_cache[dst + ia] = to_cache(a * cs[j] - b * sn[j]);
+        f.k_cache[dst + ib] = to_cache(b * cs[j] + a * sn[j]);
+        f.v_cache[dst + ia] = to_cache(f.v_new[src + ia]);
+        f.v_cache[dst + ib] = to_cache(f.v_new[src + ib]);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// rope_write_attend_v1, the fused kernel: for decode steps (one new token per sequence) it
+// does in one launch what the unfused path needs three for (rope_v1 on q and k, cache_write_v1,
+// decode_attention_v1): rope_and_write (above), then attention over the cache, the new row
+// included, read back like any other row.
 //
 //   q_raw: [N, Hq, D], k_raw/v_new: [N, Hkv, D] float32 (pre-RoPE q and k)
 //   cos, sin: [N, D/2] float32 at each token's position; half_layout as in rope_v1
 //   grid, block, shared: as decode_attention_v1 (shared_mem = 4*G*D)
-//   bytes: v1's, plus reads 4*N*D (cos, sin per block) and 2 * 4*N*Hkv*D (new K/V, only by
-//          the writing block), writes 2 * sizeof(CACHE_T)*N*Hkv*D; saves v1's round trips of
-//          the rotated q and k through device memory and two launches.
+//   bytes: decode_attention_v1's, plus reads 4*N*D (cos, sin per block) and 2 * 4*N*Hkv*D (new
+//          K/V, only by the writing block), writes 2 * sizeof(CACHE_T)*N*Hkv*D; saves the round
+//          trips of the rotated q and k through device memory and two launches.
 //
-// Why one token per sequence: block (n, h, z) reads keys of its own sequence only up to
-// pos[n]. Two new tokens of one sequence would need each other's keys, written by another
-// block of the same launch, and blocks of one launch are not ordered.
+// Why one token per sequence: block (n, h) reads keys of its own sequence only up to pos[n].
+// Two new tokens of one sequence would need each other's keys, written by another block of
+// the same launch, and blocks of one launch are not ordered.
 // Why k_cache/v_cache are neither const nor __restrict__ here: the block reads back what it
 // wrote, and a const __restrict__ pointer lets the compiler use the read-only data path,
 // which is not coherent with writes made during the kernel. The __syncthreads() after the
 // write makes the block's global writes visible to all its threads.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void decode_attention_v2(const float* __restrict__ q_raw, const float* __restrict__ k_raw,
-                                               const float* __restrict__ v_new, const float* __restrict__ cos_t,
-                                               const float* __restrict__ sin_t, int half_layout,
-                                               cache_t* k_cache, cache_t* v_cache, const int* __restrict__ slot,
-                                               const int* __restrict__ pos, float* out, float* part_acc,
-                                               float* part_ml, int layer, int n_heads, int n_kv_heads,
-                                               int max_seqs, int max_len, int keys_per_split, int n_splits,
-                                               float scale) {
-    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];
-    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
-    extern __shared__ float q_s[];  // [G][D]
-
-    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
-    const int group = n_heads / n_kv_heads, warp = threadIdx.x >> 5;
-    const int p_n = pos[n];
-    const int k_begin = z * keys_per_split;
-    const int k_end = min(p_n + 1, k_begin + keys_per_split);
-    if (k_begin >= k_end) return;
-    const int half = HEAD_DIM / 2;
-    const float* cs = cos_t + (long long)n * half;
-    const float* sn = sin_t + (long long)n * half;
-
-    // 1. rotated queries -> shared, one thread per (query, pair)
-    const long long q_base = ((long long)n * n_heads + (long long)h * group) * HEAD_DIM;
-    for (int i = threadIdx.x; i < group * half; i += blockDim.x) {
-        const int g = i / half, j = i % half;
-        const int ia = half_layout ? j : 2 * j, ib = half_layout ? j + half : 2 * j + 1;
-        const float a = q_raw[q_base + g * HEAD_DIM + ia], b = q_raw[q_base + g * HEAD_DIM + ib];
-        q_s[g * HEAD_DIM + ia] = a * cs[j] - b * sn[j];
-        q_s[g * HEAD_DIM + ib] = b * cs[j] + a * sn[j];
-    }
-
-    // 2. the split that holds position p_n appends the new key (rotated) and value
-    const long long head_base = cache_offset(layer, slot[n], h, 0, max_seqs, n_kv_heads, max_len);
-    if (p_n < k_end) {  // i.e. p_n == k_end - 1: only the last non-empty split
-        const long long src = ((long long)n * n_kv_heads + h) * HEAD_DIM;
-        const long long dst = head_base + (long long)p_n * HEAD_DIM;
-        for (int j = threadIdx.x; j < half; j += blockDim.x) {
-            const int ia = half_layout ? j : 2 * j, ib = half_layout ? j + half : 2 * j + 1;
-            const float a = k_raw[src + ia], b = k_raw[src + ib];
-#if CACHE_HALF
-            k_cache[dst + ia] = __float2half_rn(a * cs[j] - b * sn[j]);
-            k_cache[dst + ib] = __float2half_rn(b * cs[j] + a * sn[j]);
-            v_cache[dst + ia] = __float2half_rn(v_new[src + ia]);
-            v_cache[dst + ib] = __float2half_rn(v_new[src + ib]);
-#else
-            k_cache[dst + ia] = a * cs[j] - b * sn[j];
-            k_cache[dst + ib] = b * cs[j] + a * sn[j];
-            v_cache[dst + ia] = v_new[src + ia];
-            v_cache[dst + ib] = v_new[src + ib];
-#endif
-        }
-    }
-    // (attend_range starts with __syncthreads(): it orders both writes above before any read)
-
-    // 3. attention over positions [k_begin, k_end), the new one included
-    float m = -CUDART_INF_F, l = 0.0f, acc[DIMS_PER_LANE];
-#pragma unroll
-    for (int c = 0; c < DIMS_PER_LANE; ++c) acc[c] = 0.0f;
-    attend_range(k_cache, v_cache, head_base, k_begin, k_end, q_s, k_s, v_s, scale, m, l, acc);
-    write_result(out, part_acc, part_ml, n, h * group + warp, n_heads, z, n_splits, m, l, acc);
+extern "C" __global__ void rope_write_attend_v1(const float* __restrict__ q_raw, const float* __restrict__ k_raw,
+                                                const float* __restrict__ v_new, const float* __restrict__ cos_t,
+                                                const float* __restrict__ sin_t, int half_layout, cache_t* k_cache,
+                                                cache_t* v_cache, const int* __restrict__ slot,
+                                                const int* __restrict__ pos, float* __restrict__ out, int layer,
+                                                int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale) {
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, max_len);
+    const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
+    cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1);
 }
 
 // ---------------------------------------------------------------------------
-// decode_attention_combine_v1: merge the n_splits partial results of each (token, query
-// head): with m = max_z m_z,
-//     out = sum_z exp(m_z - m) acc_z / sum_z exp(m_z - m) l_z
-// Only splits that held keys (z < ceil((pos[n]+1) / keys_per_split)) are read.
+// rope_write_attend_v2: the fused kernel, split-K. Every block (n, h, z) rotates the queries,
+// the block whose range holds pos[n] writes the new row, and each attends its own range and
+// writes split partials (split_k.cuh) for attention_reduce_v2. The ranges before the last
+// never need the new row, so the blocks stay independent.
 //
-//   grid  = (N, Hq), block = (D): thread d owns output dim d
-//   bytes: reads 4*N*Hq*Z*(D+2) (Z = splits used), writes 4*N*Hq*D.
+//   grid  = (N, Hkv, Z), block, shared: as rope_write_attend_v1
+//   bytes: rope_write_attend_v1's reads (cos, sin, q per block); writes as decode_attention_v2.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void decode_attention_combine_v1(const float* __restrict__ part_acc,
-                                                       const float* __restrict__ part_ml,
-                                                       const int* __restrict__ pos, float* __restrict__ out,
-                                                       int n_heads, int keys_per_split, int n_splits) {
-    const int n = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    if (d >= HEAD_DIM) return;
-    const int used = min(n_splits, (pos[n] + keys_per_split) / keys_per_split);
-    const long long p0 = ((long long)n * n_heads + head) * n_splits;
-    float m = -CUDART_INF_F;
-    for (int z = 0; z < used; ++z) m = fmaxf(m, part_ml[2 * (p0 + z)]);
-    float num = 0.0f, den = 0.0f;
-    for (int z = 0; z < used; ++z) {
-        const float w = expf(part_ml[2 * (p0 + z)] - m);
-        num += w * part_acc[(p0 + z) * HEAD_DIM + d];
-        den += w * part_ml[2 * (p0 + z) + 1];
-    }
-    out[((long long)n * n_heads + head) * HEAD_DIM + d] = num / den;
+extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw, const float* __restrict__ k_raw,
+                                                const float* __restrict__ v_new, const float* __restrict__ cos_t,
+                                                const float* __restrict__ sin_t, int half_layout, cache_t* k_cache,
+                                                cache_t* v_cache, const int* __restrict__ slot,
+                                                const int* __restrict__ pos, float* __restrict__ part_m,
+                                                float* __restrict__ part_l, float* __restrict__ part_acc, int layer,
+                                                int n_heads, int n_kv_heads, int max_seqs, int max_len,
+                                                int keys_per_split, int n_splits, float scale) {
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
+    if (c.k_begin >= c.k_end) return;
+    const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
+    cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
+                    n_splits);
 }

@@ -153,7 +153,7 @@ def test_full_size_decode(cupy_rt, heads, dtype):
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_split_key_ranges_merge_exactly(rt, splits):
-    """Histories of 150, 40 and 1 keys split into up to 3 ranges of whole tiles: the combine kernel's
+    """Histories of 150, 40 and 1 keys split into up to 3 ranges of whole tiles: attention_reduce_v2's
     exp(m_i - m) rescaling gives the unsplit answer; ranges past a short sequence's end are skipped."""
     tw = Twin(rt, 6, 2, 64, max_seqs=3, max_len=152, num_splits=None)
     for sid in "xyz":
@@ -161,6 +161,34 @@ def test_split_key_ranges_merge_exactly(rt, splits):
     tw.step("xy", [149, 39])
     s = tw.step("xyz", [1, 1, 1], num_splits=splits)
     assert rel_err(s.got, s.want) <= RTOL
+
+
+@pytest.mark.parametrize("version", [1, 2, None])
+def test_version_knob_means_what_it_means_for_paged(rt, version):
+    """version=1: decode_attention_v1 (one range); 2: decode_attention_v2 + attention_reduce_v2, even
+    with one split; None: v2 exactly when the history is split. All equal the NumPy cache."""
+    tw = Twin(rt, 6, 2, 64, max_seqs=2, max_len=100)
+    tw.gpu.version = version
+    for sid in "ab":
+        tw.add(sid)
+    tw.step("ab", [70, 20])
+    tw.gpu.begin_step("ab", [1, 1])  # prepared, never launched: the step is aborted below
+    q = rt.asarray(np.ones((2, 6, 64), np.float32))
+    for splits in (None, 1, 3):
+        if version == 1 and splits == 3:
+            with pytest.raises(ConfigError, match="version=2"):
+                tw.gpu.prepare_attend(1, q, num_splits=splits)
+            continue
+        launch = tw.gpu.prepare_attend(1, q, num_splits=splits)
+        want = version or (2 if launch.splits > 1 else 1)
+        assert launch.version == want and (launch.splits == 1 or want == 2)
+    tw.gpu.abort_step()
+    s = tw.step("ab", [1, 1], num_splits=None if version == 1 else 3)
+    assert rel_err(s.got, s.want) <= RTOL
+    with pytest.raises(ConfigError, match="version"):
+        gpu.ContiguousKVCache(1, 1, 64, 1, 4, runtime=rt, version=3)
+    with pytest.raises(ConfigError, match="num_splits"):
+        gpu.ContiguousKVCache(1, 1, 64, 1, 4, runtime=rt, version=1, num_splits=2)
 
 
 def test_automatic_split_choice(rt):
@@ -190,7 +218,7 @@ def test_stale_nan_slots_are_never_read(rt):
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
 def test_fused_kernel_equals_unfused_path(rt, layout, dtype):
-    """decode_attention_v2 (RoPE + write + attend in one launch) == rope_v1 x2 + cache_write_v1 +
+    """rope_write_attend_v1 (RoPE + write + attend in one launch) == rope_v1 x2 + cache_write_v1 +
     decode_attention_v1, in outputs and in what ends up in the cache; and both match NumPy."""
     hq, hkv, d = 9, 3, 64
     rng = np.random.default_rng(7)
@@ -241,6 +269,8 @@ def test_fused_kernel_with_split_ranges(rt):
     with a.step([0], [1]):
         one = rt.asnumpy(a.rope_write_attend(0, rt.asarray(q), rt.asarray(k1), rt.asarray(v1), cos, sin, "half",
                                              num_splits=1))
+        assert a.prepare_rope_write_attend(0, rt.asarray(q), rt.asarray(k1), rt.asarray(v1), cos, sin, "half",
+                                           num_splits=1).version == 1
     with b.step([0], [1]):
         three = rt.asnumpy(b.rope_write_attend(0, rt.asarray(q), rt.asarray(k1), rt.asarray(v1), cos, sin, "half",
                                                num_splits=3))

@@ -1,0 +1,84 @@
+"""Compiled-module caches are keyed by every header a source includes, not by the .cu text alone.
+
+The kernels ``#include "common.cuh"`` and friends; a cache key over the ``.cu`` text only would
+silently reuse a stale module after a header edit. Here a temporary copy of a source that
+includes a header (which includes another) is built, the inner header is edited, and the next
+build must recompile: the kernel's result changes; a broken header must fail to compile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minikv.errors import KernelCompileError
+from minikv_gpu import cpu_sim, runtime
+from minikv_gpu.cpu_sim.build import includes_digest, local_includes
+
+SOURCE = """#include "value.cuh"
+extern "C" __global__ void fill(float* out) { out[threadIdx.x] = value(); }
+"""
+VALUE_H = '#pragma once\n#include "inner.cuh"\n__device__ float value() { return VALUE; }\n'
+
+
+def _inner(value: str) -> str:
+    return f"#pragma once\n#define VALUE {value}\n"
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    (tmp_path / "value.cuh").write_text(VALUE_H)
+    (tmp_path / "inner.cuh").write_text(_inner("1.0f"))
+    (tmp_path / "fill.cu").write_text(SOURCE)
+    return tmp_path
+
+
+def _run_fill(folder) -> float:
+    module = cpu_sim.load_module(SOURCE, str(folder / "fill.cu"), None, folder)
+    out = np.zeros(32, np.float32)
+    module.get_function("fill")((1,), (32,), (out,))
+    return float(out[0])
+
+
+def test_local_includes_are_followed_transitively(tree):
+    assert local_includes(SOURCE, [tree]) == [(tree / "value.cuh").resolve(), (tree / "inner.cuh").resolve()]
+    before = includes_digest(SOURCE, [tree])
+    (tree / "inner.cuh").write_text(_inner("2.0f"))
+    assert includes_digest(SOURCE, [tree]) != before
+
+
+def test_editing_an_included_header_recompiles(sim_rt, tree):
+    assert _run_fill(tree) == 1.0
+    (tree / "inner.cuh").write_text(_inner("2.0f"))  # two includes deep; SOURCE itself is unchanged
+    assert _run_fill(tree) == 2.0
+    (tree / "inner.cuh").write_text(_inner("(1.0f +"))  # broken
+    with pytest.raises(KernelCompileError):
+        _run_fill(tree)
+    (tree / "inner.cuh").write_text(_inner("1.0f"))  # back as it was: the first module again
+    assert _run_fill(tree) == 1.0
+
+
+class _FakeCupy:
+    """Just enough of cupy for CupyRuntime._compile: records the code handed to RawModule."""
+
+    ndarray = np.ndarray
+    codes: list
+
+    class RawModule:
+        def __init__(self, code, options):
+            _FakeCupy.codes.append(code)
+
+        def get_function(self, name):
+            return object()
+
+
+def test_cupy_module_cache_key_covers_headers(tree):
+    """CuPy's own disk cache hashes the code it is given: that code must change with a header."""
+    _FakeCupy.codes = []
+    rt = runtime.CupyRuntime(_FakeCupy)
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)  # cached: no second RawModule
+    (tree / "inner.cuh").write_text(_inner("2.0f"))
+    rt._compile(SOURCE, "fill.cu", "fill", None, tree)
+    assert len(_FakeCupy.codes) == 2 and _FakeCupy.codes[0] != _FakeCupy.codes[1]
+    assert all(code.startswith(SOURCE) for code in _FakeCupy.codes)  # line numbers unchanged
