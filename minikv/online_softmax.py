@@ -31,6 +31,7 @@ Masked keys score -inf. Two traps are handled here, once:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,18 +45,21 @@ class State:
 
     m, l: [...]        (one entry per query row; ``...`` is the caller's layout)
     acc:  [..., D]
+    seen: whether any tile has been folded in yet (before that: m = -inf, l = 0, acc = 0)
     """
 
     m: np.ndarray
     l: np.ndarray
     acc: np.ndarray
+    seen: bool = False
 
     def __getitem__(self, rows) -> "State":
         """The state of a subset of rows along the first axis (a copy for fancy indices)."""
-        return State(self.m[rows], self.l[rows], self.acc[rows])
+        return State(self.m[rows], self.l[rows], self.acc[rows], self.seen)
 
     def __setitem__(self, rows, other: "State") -> None:
         self.m[rows], self.l[rows], self.acc[rows] = other.m, other.l, other.acc
+        self.seen = self.seen or other.seen
 
 
 def start(shape: tuple, head_dim: int, dtype=np.float32) -> State:
@@ -65,9 +69,13 @@ def start(shape: tuple, head_dim: int, dtype=np.float32) -> State:
                  np.zeros(shape + (int(head_dim),), dtype=dtype))
 
 
-def _safe(m: np.ndarray) -> np.ndarray:
-    """The shift to use for a running max: 0 where nothing has been seen (m = -inf)."""
-    return np.where(np.isneginf(m), 0, m).astype(m.dtype, copy=False)
+def _shift(m: np.ndarray) -> np.ndarray:
+    """The shift to subtract for a running max: m itself, clamped to the lowest finite float.
+
+    A row that has seen nothing (m = -inf) is shifted by a finite number, so its
+    exp(-inf - shift) is 0 rather than exp(-inf - -inf) = NaN; a finite m is unchanged.
+    """
+    return np.maximum(m, np.finfo(m.dtype).min)
 
 
 def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarray | None = None) -> State:
@@ -85,13 +93,21 @@ def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarra
     if mask is not None:
         scores = np.where(mask, scores, -np.inf)
         live = np.swapaxes(np.any(mask, axis=-2, keepdims=True), -1, -2)   # [..., K, 1]
-        values = np.where(live, values, 0)
-    m_new = np.maximum(state.m, scores.max(axis=-1, initial=-np.inf))
-    shift = _safe(m_new)
-    alpha = np.exp(state.m - shift)                                         # 0 where m was -inf
-    p = np.exp(scores - shift[..., None])
-    state.l = alpha * state.l + p.sum(axis=-1)
-    state.acc = alpha[..., None] * state.acc + p @ values.astype(p.dtype, copy=False)
+        if not live.all():  # (a causal tile's keys are all seen by its last query: no copy needed)
+            values = np.where(live, values, 0)
+    m_new = scores.max(axis=-1, initial=-np.inf)
+    if state.seen:  # rescale what came before by exp(m - m'); the first tile has nothing to rescale
+        m_new = np.maximum(state.m, m_new)
+    shift = _shift(m_new)
+    p = scores - shift[..., None]
+    np.exp(p, out=p)                                                        # p is ours: exp in place
+    pv = p @ values.astype(p.dtype, copy=False)
+    if state.seen:
+        alpha = np.exp(state.m - shift)                                     # 0 where m was -inf
+        state.l = alpha * state.l + p.sum(axis=-1)
+        state.acc = alpha[..., None] * state.acc + pv
+    else:
+        state.l, state.acc, state.seen = p.sum(axis=-1), pv, True
     state.m = m_new
     return state
 
@@ -99,21 +115,20 @@ def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarra
 def merge(a: State, b: State) -> State:
     """Combine two states over disjoint key ranges (split-K): each side scaled by exp(m_i - m)."""
     m = np.maximum(a.m, b.m)
-    shift = _safe(m)
+    shift = _shift(m)
     sa, sb = np.exp(a.m - shift), np.exp(b.m - shift)
-    return State(m, sa * a.l + sb * b.l, sa[..., None] * a.acc + sb[..., None] * b.acc)
+    return State(m, sa * a.l + sb * b.l, sa[..., None] * a.acc + sb[..., None] * b.acc, a.seen or b.seen)
 
 
 def finish(state: State) -> np.ndarray:
-    """acc / l: [..., D]. A row that saw no key at all (l = 0) returns zeros, never NaN."""
-    l = state.l[..., None]
-    return np.divide(state.acc, l, out=np.zeros_like(state.acc), where=l > 0)
+    """acc / l: [..., D]. A row that saw no key at all (l = 0, acc = 0) returns zeros, never NaN."""
+    return state.acc / np.maximum(state.l, np.finfo(state.l.dtype).tiny)[..., None]
 
 
 # --- one driver: causal attention over a contiguous history, tile by tile --------------------
 
 QUERY_TILE = 64        # query rows per tile of a long causal input (a prefill)
-SCORE_BUDGET = 1 << 18  # score elements held at once (1 MiB in float32): sets the key tile
+SCORE_BUDGET = 1 << 20  # score elements held at once (4 MiB in float32): sets the key tile
 
 
 def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int | None = None) -> np.ndarray:
@@ -134,17 +149,21 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
     scale = q.dtype.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
     qg = (q * scale).reshape(*batch, hkv, g, t, d)  # query head h = kv_head * G + g
     out = np.empty(qg.shape, dtype=q.dtype)
-    heads = int(np.prod(batch, dtype=np.int64)) * hq
+    heads = math.prod(batch) * hq
     for t0 in range(0, t, QUERY_TILE):
         t1 = min(t0 + QUERY_TILE, t)
-        pos = np.arange(s - t + t0, s - t + t1)  # positions of this tile's queries
+        rows = g * (t1 - t0)  # a KV head's query rows in this tile: row g*Tq + i is head g, query t0 + i
+        qt = qg[..., t0:t1, :].reshape(*batch, hkv, rows, d)  # one GEMM per KV head serves its whole group
         tile = key_tile or max(QUERY_TILE, SCORE_BUDGET // (heads * (t1 - t0)))
-        state = start(qg.shape[:-2] + (t1 - t0,), d, q.dtype)
-        for k0 in range(0, int(pos[-1]) + 1, tile):
-            k1 = min(k0 + tile, int(pos[-1]) + 1)
-            kt, vt = k[..., None, k0:k1, :], v[..., None, k0:k1, :]            # [..., Hkv, 1, K, D]
-            scores = qg[..., t0:t1, :] @ np.swapaxes(kt, -1, -2)              # [..., Hkv, G, Tq, K]
-            mask = None if k1 - 1 <= pos[0] else np.arange(k0, k1)[None, :] <= pos[:, None]
-            update(state, scores, vt, mask)
-        out[..., t0:t1, :] = finish(state)
+        state = start(qt.shape[:-1], d, q.dtype)
+        end = s - t + t1  # keys 0 .. end - 1 are all this tile may see
+        for k0 in range(0, end, tile):
+            k1 = min(k0 + tile, end)
+            scores = qt @ np.swapaxes(k[..., k0:k1, :], -1, -2)             # [..., Hkv, rows, K]
+            mask = None  # a tile left of the diagonal: every query sees every key
+            if k1 - 1 > s - t + t0:
+                pos = np.tile(np.arange(s - t + t0, s - t + t1), g)  # [rows] position of each row
+                mask = np.arange(k0, k1)[None, :] <= pos[:, None]
+            update(state, scores, v[..., k0:k1, :], mask)
+        out[..., t0:t1, :] = finish(state).reshape(*batch, hkv, g, t1 - t0, d)
     return out.reshape(q.shape)
