@@ -78,20 +78,26 @@ def _shift(m: np.ndarray) -> np.ndarray:
     return np.maximum(m, np.finfo(m.dtype).min)
 
 
-def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarray | None = None) -> State:
+def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarray | None = None,
+           overwrite: bool = False) -> State:
     """Fold one tile of keys into ``state`` (in place) and return it.
 
-    scores: [..., Q, K]  already scaled (q . k / sqrt(D)); state.m is [..., Q]
-    values: [..., K, D]  (broadcast against scores' leading dims, as in ``p @ values``)
-    mask:   bool, broadcastable to scores; False = the query may not see that key.
-            A key that no query of the tile may see has its value row selected to 0,
-            so stale NaN slots never reach ``acc``.
+    scores:    [..., Q, K]  already scaled (q . k / sqrt(D)); state.m is [..., Q]
+    values:    [..., K, D]  (broadcast against scores' leading dims, as in ``p @ values``)
+    mask:      bool, broadcastable to scores; False = the query may not see that key.
+               A key that no query of the tile may see has its value row selected to 0,
+               so stale NaN slots never reach ``acc``.
+    overwrite: ``scores`` is the caller's scratch: mask, shift and exponentiate it in place
+               (saves two [Q, K] copies per tile; its contents are garbage afterwards)
     """
     if scores.shape[-1] != values.shape[-2]:
         raise ShapeError(f"scores.shape={scores.shape} and values.shape={values.shape}: "
                          "the key axes (scores[-1], values[-2]) must match")
     if mask is not None:
-        scores = np.where(mask, scores, -np.inf)
+        if overwrite:
+            np.copyto(scores, -np.inf, where=~mask)
+        else:
+            scores, overwrite = np.where(mask, scores, -np.inf), True  # a new array: ours now
         live = np.swapaxes(np.any(mask, axis=-2, keepdims=True), -1, -2)   # [..., K, 1]
         if not live.all():  # (a causal tile's keys are all seen by its last query: no copy needed)
             values = np.where(live, values, 0)
@@ -99,8 +105,8 @@ def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarra
     if state.seen:  # rescale what came before by exp(m - m'); the first tile has nothing to rescale
         m_new = np.maximum(state.m, m_new)
     shift = _shift(m_new)
-    p = scores - shift[..., None]
-    np.exp(p, out=p)                                                        # p is ours: exp in place
+    p = np.subtract(scores, shift[..., None], out=scores if overwrite else None)
+    np.exp(p, out=p)
     pv = p @ values.astype(p.dtype, copy=False)
     if state.seen:
         alpha = np.exp(state.m - shift)                                     # 0 where m was -inf
@@ -164,6 +170,6 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
             if k1 - 1 > s - t + t0:
                 pos = np.tile(np.arange(s - t + t0, s - t + t1), g)  # [rows] position of each row
                 mask = np.arange(k0, k1)[None, :] <= pos[:, None]
-            update(state, scores, v[..., k0:k1, :], mask)
+            update(state, scores, v[..., k0:k1, :], mask, overwrite=True)
         out[..., t0:t1, :] = finish(state).reshape(*batch, hkv, g, t1 - t0, d)
     return out.reshape(q.shape)

@@ -110,7 +110,7 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
         valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
-                                            valid[:, None, None, :])
+                                            valid[:, None, None, :], overwrite=True)
     out = online_softmax.finish(state).reshape(n, hq, d)
     assert out.dtype == dt, out.dtype
     return out

@@ -16,21 +16,27 @@ def reference(scores, values, mask=None):
     return softmax(scores) @ values
 
 
-def run_tiles(scores, values, tile, mask=None):
+def run_tiles(scores, values, tile, mask=None, overwrite=False):
     state = osm.start(scores.shape[:-1], values.shape[-1], scores.dtype)
     for k0 in range(0, scores.shape[-1], tile):
         sl = slice(k0, k0 + tile)
-        osm.update(state, scores[..., sl], values[..., sl, :], None if mask is None else mask[..., sl])
+        osm.update(state, scores[..., sl].copy() if overwrite else scores[..., sl], values[..., sl, :],
+                   None if mask is None else mask[..., sl], overwrite=overwrite)
     return osm.finish(state)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("tile", [1, 2, 3, 7, 16, 37, 100])
-def test_any_tile_size_gives_the_one_pass_result(tile):
+def test_any_tile_size_gives_the_one_pass_result(tile, overwrite):
     rng = np.random.default_rng(tile)
     scores = rng.standard_normal((3, 5, 37)) * 4
     values = rng.standard_normal((3, 37, 8))
-    got = run_tiles(scores, values, tile)
-    assert rel_err(got, reference(scores, values)) < 1e-13
+    mask = rng.random((3, 5, 37)) < 0.8
+    before = scores.copy()
+    assert rel_err(run_tiles(scores, values, tile, overwrite=overwrite), reference(scores, values)) < 1e-13
+    got = run_tiles(scores, values, tile, mask, overwrite=overwrite)
+    assert rel_err(got, reference(scores, values, mask)) < 1e-13
+    np.testing.assert_array_equal(scores, before)  # without overwrite, the caller's scores are untouched
 
 
 def test_merge_of_two_halves_equals_one_pass():
