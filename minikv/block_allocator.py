@@ -139,11 +139,8 @@ class BlockAllocator:
         return list(self._cached_free)
 
     def _check_id(self, block_id) -> int:
-        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) \
-                or not 0 <= block_id < self.num_blocks:
-            raise InvalidInputError(f"block_id={block_id!r} is not a block of this pool "
-                                    f"[0, {self.num_blocks})")
-        return int(block_id)
+        return check_int("block_id", block_id, minimum=0, maximum=self.num_blocks - 1, error=InvalidInputError,
+                         hint="not a block of this pool")
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self) -> int:

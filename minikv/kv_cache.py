@@ -39,11 +39,11 @@ from minikv import online_softmax
 from minikv.attention import causal_attention
 from minikv.errors import (
     CacheFullError,
-    ConfigError,
     DTypeError,
     InvalidInputError,
     ShapeError,
     UnknownSequenceError,
+    check_int,
 )
 
 CACHE_DTYPES = (np.float64, np.float32, np.float16)
@@ -116,8 +116,7 @@ class KVCacheBase:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype=np.float32):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ConfigError(f"{name}={val!r} must be a positive integer")
+            check_int(name, val)
         dtype = np.dtype(dtype)
         if dtype not in [np.dtype(d) for d in self.supported_dtypes()]:
             raise DTypeError(f"cache dtype {dtype} is not supported by {type(self).__name__}; "
@@ -287,8 +286,7 @@ class ContiguousKVCache(KVCacheBase):
                  dtype=np.float32):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype)
         for name, val in (("max_seqs", max_seqs), ("max_len", max_len)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ConfigError(f"{name}={val!r} must be a positive integer")
+            check_int(name, val)
         self.max_seqs, self.max_len = int(max_seqs), int(max_len)
         shape = (self.num_layers, self.max_seqs, self.num_kv_heads, self.max_len, self.head_dim)
         self.k = self._new_buffer(shape)

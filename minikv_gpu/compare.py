@@ -21,7 +21,8 @@ import numpy as np
 
 from minikv import kv_cache as cpu_cache
 from minikv import paged as cpu_paged
-from minikv.errors import ConfigError, InvalidInputError
+from minikv.bench.equivalence import max_abs_err, rel_err
+from minikv.errors import ConfigError, InvalidInputError, check_int
 from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs every one
 from minikv.model import Model as CpuModel
 from minikv.model import random_model
@@ -50,7 +51,8 @@ class StepResult:
     step: int
     kind: str              # "prefill" or "decode"
     tokens: int            # tokens fed in this step
-    max_abs_logit_diff: float
+    max_abs_logit_diff: float  # minikv.bench.equivalence.max_abs_err (the pass criterion, DEFAULT_TOL)
+    rel_logit_diff: float      # minikv.bench.equivalence.rel_err (the yardstick of every other check)
     token_numpy: int
     token_gpu: int
     numpy_s: float
@@ -97,8 +99,7 @@ def smollm2_random(seed: int = 0) -> CpuModel:
 def _cache_pair(kind: str, model: CpuModel, gpu, max_len: int, cache_dtype, block_size, rt):
     """The NumPy cache and its GPU twin of ``kind``, sized for one sequence of ``max_len`` tokens."""
     if kind == "paged":  # pools just large enough for the run
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ConfigError(f"block_size={block_size!r}; use a positive number of token slots per block")
+        check_int("block_size", block_size, hint="a positive number of token slots per block")
         num_blocks = cpu_paged.num_blocks_for(max_len, block_size)
         args = dict(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size, dtype=cache_dtype)
         return cpu_paged.PagedKVCache(**args), gpu_paged.PagedKVCache(**args, runtime=rt)
@@ -125,8 +126,7 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
     """
     if cache not in CACHE_KINDS:
         raise ConfigError(f"cache={cache!r}; compare supports {CACHE_KINDS}")
-    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
-        raise InvalidInputError(f"max_new_tokens={max_new_tokens!r}; use an integer >= 1 (1 = prefill only)")
+    check_int("max_new_tokens", max_new_tokens, error=InvalidInputError, hint="1 = prefill only")
     ids = [int(t) for t in prompt_ids]
     if not ids:
         raise InvalidInputError("the prompt encodes to no tokens; give some text")
@@ -149,9 +149,9 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
         t2 = time.perf_counter()
         if got.shape != ref.shape or got.dtype != np.float32:
             raise AssertionError(f"GPU logits {got.shape} {got.dtype} vs NumPy {ref.shape} {ref.dtype}")
-        diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if np.all(np.isfinite(got)) else float("inf")
         res = StepResult(step=step, kind="prefill" if step == 0 else "decode", tokens=len(feed),
-                         max_abs_logit_diff=diff, token_numpy=int(np.argmax(ref)), token_gpu=int(np.argmax(got)),
+                         max_abs_logit_diff=max_abs_err(got, ref), rel_logit_diff=rel_err(got, ref),
+                         token_numpy=int(np.argmax(ref)), token_gpu=int(np.argmax(got)),
                          numpy_s=t1 - t0, gpu_s=t2 - t1)
         result.steps.append(res)
         if on_step is not None:

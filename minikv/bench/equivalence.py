@@ -26,6 +26,14 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
+def max_abs_err(got, want) -> float:
+    """max |got - want| in float64 as a Python float; inf if ``got`` holds a NaN or an infinity."""
+    got, want = np.asarray(got), np.asarray(want)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+
+
 def tolerance(dtype) -> float:
     """The relative bar for a lossless result computed in ``dtype`` (float64 1e-10, float32 1e-4)."""
     dt = np.dtype(dtype).type
