@@ -163,7 +163,7 @@ class _CupyKernel:
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         grid3, block3, shared_mem = cpu_sim.check_launch_config(grid, block, shared_mem)
         if self.params is not None:
-            check_args(self.name, self.params, args, array_type=self._cupy.ndarray,
+            check_args(self.name, self.params, args, array_type=self._cupy.ndarray,  # CuPy arrays: always writable
                        data_ptr=lambda a: a.data.ptr, strict=False)
         if shared_mem > DEFAULT_SHARED_LIMIT and self._raw.max_dynamic_shared_size_bytes < shared_mem:
             self._raw.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above 48 KiB

@@ -81,7 +81,7 @@ class SimKernel:
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         grid3, block3, shared_mem = check_launch_config(grid, block, shared_mem)
         check_args(self.name, self.params, args, array_type=np.ndarray, data_ptr=lambda a: a.ctypes.data,
-                   strict=True)
+                   strict=True, writable=lambda a: a.flags.writeable)
         argv = (ctypes.c_void_p * max(len(args), 1))()
         keep = []  # the argument bytes must outlive the call
         for i, (p, a) in enumerate(zip(self.params, args)):
