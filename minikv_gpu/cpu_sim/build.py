@@ -37,7 +37,7 @@ from .signature import EXTERN_SHARED_MARK, KERNEL_MARK, KernelDecl, Param, find_
 SIM_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SIM_DIR / "include"
 DYN_SHARED_CAPACITY = 227 * 1024  # H100/H200 opt-in maximum of shared memory per block
-_FORMAT_VERSION = "3"  # bump when the generated wrapper changes shape
+_FORMAT_VERSION = "4"  # bump when the generated wrapper changes shape
 
 
 @dataclass(frozen=True)
@@ -231,9 +231,10 @@ def _generate_wrapper(kernels: list[KernelDecl], extern_shared: list[tuple[str, 
               "    return minikv_sim::static_shared_bytes();",
               "}",
               "MINIKV_EXPORT int minikv_sim_launch(int i, void** args, const unsigned* grid, const unsigned* block,",
-              "                                    unsigned long shared_mem, char* err, unsigned long err_len) {",
+              "                                    unsigned long shared_mem, const minikv_sim::Schedule* sched,",
+              "                                    char* err, unsigned long err_len) {",
               "    return minikv_sim::launch(minikv_kernels[i].entry, args, grid, block, minikv_dyn_buffers,",
-              f"                              {len(buffers)}, shared_mem, {cap}, err, err_len);",
+              f"                              {len(buffers)}, shared_mem, {cap}, sched, err, err_len);",
               "}", ""]
     return "\n".join(lines)
 

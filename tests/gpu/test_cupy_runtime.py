@@ -132,3 +132,21 @@ def test_cupy_arguments_are_still_checked(cupy_kernel, args, match):
     with pytest.raises(KernelLaunchError, match=match):
         cupy_kernel((1,), (256,), args())
     assert cupy_kernel._raw.launches == []
+
+
+def test_cupy_launches_get_the_simulators_resource_checks(cupy_kernel):
+    raw = cupy_kernel._raw  # static shared 1024 bytes, 32 registers
+    x, out = dev(np.ones(8, np.float32)), dev(np.zeros(1, np.float32))
+    cupy_kernel((1,), (256,), (x, out, np.int32(8)), shared_mem=48 * 1024 - 1024)  # at the limit
+    with pytest.raises(KernelLaunchError, match="48 KiB.*opt in first"):
+        cupy_kernel((1,), (256,), (x, out, np.int32(8)), shared_mem=48 * 1024 - 1023)
+    cupy_kernel.max_dynamic_shared_size_bytes = 100_000  # the explicit opt-in sets CuPy's attribute
+    assert raw.max_dynamic_shared_size_bytes == 100_000
+    cupy_kernel((1,), (256,), (x, out, np.int32(8)), shared_mem=100_000)
+    with pytest.raises(KernelLaunchError, match="opt-in"):
+        cupy_kernel((1,), (256,), (x, out, np.int32(8)), shared_mem=100_001)
+    raw.num_regs, cupy_kernel._usage = 128, None
+    cupy_kernel((1,), (512,), (x, out, np.int32(8)))
+    with pytest.raises(KernelLaunchError, match="69632 registers"):
+        cupy_kernel((1,), (544,), (x, out, np.int32(8)))
+    assert [launch[3] for launch in raw.launches] == [48 * 1024 - 1024, 100_000, 0]
