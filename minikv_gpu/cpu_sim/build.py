@@ -12,7 +12,8 @@ Steps (cached on disk by a hash of everything that goes in: the source, every lo
 4. link it with the runtime (``sim_runtime.cpp`` + ``switch_x86_64.S``, compiled once).
 
 Environment: ``MINIKV_CACHE_DIR`` (default ``~/.cache/minikv``; files go to its ``cpu_sim/``),
-``CXX`` (default ``g++``), ``MINIKV_SIM_ASAN=1`` (AddressSanitizer build),
+``CXX`` (default ``g++``), ``MINIKV_SIM_ASAN=1`` (AddressSanitizer build, with misaligned accesses
+reported too: ``-fsanitize=alignment``),
 ``MINIKV_SIM_UCONTEXT=1`` (portable swapcontext switch instead of the assembly one).
 """
 
@@ -104,7 +105,10 @@ def _base_flags(opts: BuildOptions) -> list[str]:
              "-Wno-unknown-pragmas",      # #pragma unroll
              f"-I{INCLUDE_DIR}"]
     if opts.asan:
-        flags += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        # -fsanitize=alignment: a misaligned float4/uint4 access faults on a GPU; here the runtime's own
+        # handler (sim_runtime.cpp) turns it into a KernelFaultError.
+        flags += ["-O1", "-g", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",
+                  "-fno-omit-frame-pointer"]
     else:
         flags += ["-O2"]
     if opts.ucontext:

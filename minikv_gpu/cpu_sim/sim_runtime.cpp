@@ -792,6 +792,38 @@ size_t static_shared_bytes() { return (size_t)(__stop_minikv_shared - __start_mi
 
 }  // namespace minikv_sim
 
+#ifdef MINIKV_ASAN
+// -fsanitize=alignment (ASan builds): a misaligned access, such as a float4 load through a pointer
+// that is not 16-byte aligned, is a fault on a GPU ("misaligned address"). These definitions of
+// the UBSan hooks (GCC's v1 ABI) are hidden in every module, so the module's checks call them
+// rather than libubsan's, and the fault is reported like any other instead of printed.
+namespace {
+struct UbsanLocation { const char* file; unsigned line, column; };
+struct UbsanType { unsigned short kind, info; char name[1]; };
+struct UbsanTypeMismatch {
+    UbsanLocation loc;
+    const UbsanType* type;
+    unsigned char log_alignment, check_kind;
+};
+void report_mismatch(const UbsanTypeMismatch* d, uintptr_t ptr) {
+    const uintptr_t align = (uintptr_t)1 << d->log_alignment;
+    if (!ptr || (ptr & (align - 1)) == 0) return;  // only alignment is checked
+    if (minikv_sim::g_in_fiber)
+        minikv_sim::fail(minikv_sim::FAULT, "misaligned address %p at %s:%u: a %s needs %lu-byte alignment (a "
+                         "vector load or store through an offset pointer?)", (const void*)ptr, d->loc.file,
+                         d->loc.line, d->type->name, (unsigned long)align);
+    fprintf(stderr, "minikv_sim: misaligned address %p at %s:%u\n", (const void*)ptr, d->loc.file, d->loc.line);
+    abort();
+}
+}  // namespace
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1(void* d, uintptr_t ptr) {
+    report_mismatch((const UbsanTypeMismatch*)d, ptr);
+}
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1_abort(void* d, uintptr_t ptr) {
+    report_mismatch((const UbsanTypeMismatch*)d, ptr);
+}
+#endif
+
 // assert() in a kernel: report it like __trap() instead of aborting the Python process.
 extern "C" void __assert_fail(const char* expr, const char* file, unsigned int line, const char* func) noexcept {
     if (minikv_sim::g_in_fiber)
