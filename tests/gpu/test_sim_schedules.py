@@ -21,9 +21,10 @@ extern "C" __global__ void chain_blocks(float* out) {
     if (threadIdx.x == 0) out[b] = b == 0 ? 1.0f : out[b - 1] + 1.0f;
 }
 
-// Thread t reads what thread t-1 wrote to shared memory, with no barrier in between.
+// Thread t reads what thread t-1 wrote to shared memory, with no barrier in between. (Dynamic
+// shared memory: it starts as 0xff bytes in every build, ASan's included.)
 extern "C" __global__ void chain_threads(float* out) {
-    __shared__ float s[64];
+    extern __shared__ float s[];
     const unsigned t = threadIdx.x;
     s[t] = t == 0 ? 1.0f : s[t - 1] + 1.0f;
     out[t] = s[t];
@@ -48,20 +49,20 @@ extern "C" __global__ void thread_order(unsigned* counter, unsigned* order) {
 """
 
 
-def _run(sim_rt, monkeypatch, name, grid, block, *arrays, blocks=None, schedule=None):
+def _run(sim_rt, monkeypatch, name, grid, block, *arrays, blocks=None, schedule=None, shared_mem=0):
     for var, value in (("MINIKV_SIM_BLOCKS", blocks), ("MINIKV_SIM_SCHEDULE", schedule)):
         if value is None:
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
-    sim_rt.kernel_from_source(SOURCE, name)(grid, block, arrays)
+    sim_rt.kernel_from_source(SOURCE, name)(grid, block, arrays, shared_mem=shared_mem)
 
 
 def _chain(sim_rt, monkeypatch, name, **mode) -> bool:
     """Whether the broken kernel ``name`` gives the answer it would if its dependency were honoured."""
     out = np.full(64, np.nan, np.float32)
     grid, block = ((64,), (32,)) if name == "chain_blocks" else ((1,), (64,))
-    _run(sim_rt, monkeypatch, name, grid, block, out, **mode)
+    _run(sim_rt, monkeypatch, name, grid, block, out, shared_mem=64 * 4, **mode)
     return bool(np.array_equal(out, np.arange(1, 65, dtype=np.float32)))
 
 
