@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from minikv.errors import InvalidInputError
+from minikv_gpu import cpu_sim
 
 # Deliberately broken kernels, and two that record the order in which blocks and threads run.
 SOURCE = r"""
@@ -127,3 +128,18 @@ def test_bad_schedule_values_are_refused(sim_rt, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(InvalidInputError, match=rf"{var}=.*use .*random:SEED"):
         sim_rt.kernel_from_source(SOURCE, "chain_blocks")((1,), (32,), (np.zeros(1, np.float32),))
+
+
+def test_schedules_need_no_rebuild(sim_rt, monkeypatch):
+    """The schedule is passed at launch: the same compiled module serves every mode."""
+    monkeypatch.delenv("MINIKV_SIM_BLOCKS", raising=False)
+    monkeypatch.delenv("MINIKV_SIM_SCHEDULE", raising=False)
+    first = cpu_sim.load_module(SOURCE)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"recompiled: {args}")
+    monkeypatch.setattr(cpu_sim.build, "_run", no_compiler)
+    monkeypatch.setenv("MINIKV_SIM_BLOCKS", "random:5")
+    monkeypatch.setenv("MINIKV_SIM_SCHEDULE", "random:5")
+    assert cpu_sim.load_module(SOURCE) is first
+    cpu_sim.build.build(SOURCE, "<source>")  # the on-disk cache, too, is found without compiling
