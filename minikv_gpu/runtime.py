@@ -11,7 +11,10 @@ defines. Launches take CuPy's RawKernel signature ``(grid, block, args, shared_m
 arrays for pointer parameters, exact NumPy scalars (``np.int32(n)``, ``np.float32(x)``) for
 value parameters. Both backends check every argument against the kernel's real parameter
 list, because CuPy itself does not (a Python int is passed as 8 bytes, whatever the kernel
-expects).
+expects). Both also refuse, before launching, what a GPU refuses at launch (``cpu_sim/limits.py``):
+more than 48 KiB of static plus dynamic shared memory unless the kernel opted in with
+``k.max_dynamic_shared_size_bytes = n`` (the name of CuPy's RawKernel attribute), and more than
+65536 registers per block.
 
 On CuPy, kernels compile with NVRTC (``cupy.RawModule(code=..., options=("-std=c++17",
 "-DNAME=VALUE", ...))``). Kernels that ``#include <cuda_fp16.h>`` need the CUDA headers:
