@@ -32,7 +32,18 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/minikv demo
 
+# The simulator's kernel tests once more under each other schedule (minikv_gpu/cpu_sim/README.md):
+# reversed and random block order, a random fiber schedule. A failing run stops make; the full
+# suite runs last, so its summary is the last "N passed" line.
+SIM_SCHEDULES   := MINIKV_SIM_BLOCKS=reverse MINIKV_SIM_BLOCKS=random:20261201 MINIKV_SIM_SCHEDULE=random:20261201
+SIM_KERNEL_TESTS := tests/gpu -m "not gpu" --ignore=tests/gpu/test_nvcc.py --ignore=tests/gpu/test_build_cache.py \
+                    --ignore=tests/gpu/test_sim_runtime.py --ignore=tests/gpu/test_cupy_runtime.py
+
 test: install-test
+	@for mode in $(SIM_SCHEDULES); do \
+	    echo "== kernel tests under $$mode"; \
+	    env $$mode $(PY) -m pytest -q -p no:cacheprovider $(SIM_KERNEL_TESTS) || exit 1; \
+	done
 	$(PY) -m pytest -q
 
 notebooks: install-test

@@ -11,7 +11,10 @@ defines. Launches take CuPy's RawKernel signature ``(grid, block, args, shared_m
 arrays for pointer parameters, exact NumPy scalars (``np.int32(n)``, ``np.float32(x)``) for
 value parameters. Both backends check every argument against the kernel's real parameter
 list, because CuPy itself does not (a Python int is passed as 8 bytes, whatever the kernel
-expects).
+expects). Both also refuse, before launching, what a GPU refuses at launch (``cpu_sim/limits.py``):
+more than 48 KiB of static plus dynamic shared memory unless the kernel opted in with
+``k.max_dynamic_shared_size_bytes = n`` (the name of CuPy's RawKernel attribute), and more than
+65536 registers per block.
 
 On CuPy, kernels compile with NVRTC (``cupy.RawModule(code=..., options=("-std=c++17",
 "-DNAME=VALUE", ...))``). Kernels that ``#include <cuda_fp16.h>`` need the CUDA headers:
@@ -50,12 +53,12 @@ from minikv.errors import (
 )
 
 from . import cpu_sim
+from .cpu_sim import limits
 from .cpu_sim.signature import KernelDecl, check_args, find_kernels
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BACKENDS = ("cupy", "sim")
 ENV_VAR = "MINIKV_GPU_BACKEND"
-DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a CUDA kernel must opt in to more dynamic shared memory
 STATIC_SMEM_LIMIT = 48 * 1024     # static shared memory per block (the K/V tiles of the attention kernels)
 MAX_HEAD_DIM = 128                # the attention kernels' register accumulators and tiles are sized for it
 BLOCKS_PER_SM = 4  # split-K heuristics aim for this many blocks per multiprocessor (a block is only
@@ -153,20 +156,43 @@ class SimRuntime(Runtime):
 
 
 class _CupyKernel:
-    """A cupy.RawKernel behind the same argument checks as the simulator."""
+    """A cupy.RawKernel behind the same argument and resource checks as the simulator.
+
+    ``max_dynamic_shared_size_bytes = n`` opts in to more than 48 KiB of shared memory (it sets
+    the RawKernel attribute of that name); without it a launch above the limit is refused here,
+    as on the simulator (``cpu_sim.limits``). Registers and static shared memory are the
+    compiled kernel's own (``RawKernel.num_regs``, ``shared_size_bytes``), read once.
+    """
 
     def __init__(self, raw, name: str, decl: KernelDecl | None, cupy):
         self._raw, self._cupy = raw, cupy
         self.name = name
         self.params = decl.params if decl else None  # None: the parser could not read them; unchecked
+        self._opt_in: int | None = None
+        self._usage: tuple[int, int] | None = None
+
+    def _resources(self) -> tuple[int, int]:
+        if self._usage is None:  # each read is a driver call (and compiles the module on first use)
+            self._usage = (int(self._raw.num_regs), int(self._raw.shared_size_bytes))
+        return self._usage
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return limits.dynamic_shared_limit(self._resources()[1], self._opt_in)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value) -> None:
+        self._opt_in = limits.check_opt_in(self.name, self._resources()[1], value)
+        self._raw.max_dynamic_shared_size_bytes = self._opt_in
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         grid3, block3, shared_mem = cpu_sim.check_launch_config(grid, block, shared_mem)
-        if self.params is not None:
+        if self.params is not None:  # CuPy arrays are always writable: no writable= check
             check_args(self.name, self.params, args, array_type=self._cupy.ndarray,
                        data_ptr=lambda a: a.data.ptr, strict=False)
-        if shared_mem > DEFAULT_SHARED_LIMIT and self._raw.max_dynamic_shared_size_bytes < shared_mem:
-            self._raw.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above 48 KiB
+        registers, static = self._resources()
+        limits.check_shared(self.name, static, shared_mem, self._opt_in)
+        limits.check_registers(self.name, registers, block3)
         self._raw(grid3, block3, tuple(args), shared_mem=shared_mem)
 
 

@@ -12,7 +12,8 @@ Steps (cached on disk by a hash of everything that goes in: the source, every lo
 4. link it with the runtime (``sim_runtime.cpp`` + ``switch_x86_64.S``, compiled once).
 
 Environment: ``MINIKV_CACHE_DIR`` (default ``~/.cache/minikv``; files go to its ``cpu_sim/``),
-``CXX`` (default ``g++``), ``MINIKV_SIM_ASAN=1`` (AddressSanitizer build),
+``CXX`` (default ``g++``), ``MINIKV_SIM_ASAN=1`` (AddressSanitizer build, with misaligned accesses
+reported too: ``-fsanitize=alignment``),
 ``MINIKV_SIM_UCONTEXT=1`` (portable swapcontext switch instead of the assembly one).
 """
 
@@ -37,7 +38,7 @@ from .signature import EXTERN_SHARED_MARK, KERNEL_MARK, KernelDecl, Param, find_
 SIM_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SIM_DIR / "include"
 DYN_SHARED_CAPACITY = 227 * 1024  # H100/H200 opt-in maximum of shared memory per block
-_FORMAT_VERSION = "3"  # bump when the generated wrapper changes shape
+_FORMAT_VERSION = "4"  # bump when the generated wrapper changes shape
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,10 @@ def _base_flags(opts: BuildOptions) -> list[str]:
              "-Wno-unknown-pragmas",      # #pragma unroll
              f"-I{INCLUDE_DIR}"]
     if opts.asan:
-        flags += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        # -fsanitize=alignment: a misaligned float4/uint4 access faults on a GPU; here the runtime's own
+        # handler (sim_runtime.cpp) turns it into a KernelFaultError.
+        flags += ["-O1", "-g", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment",
+                  "-fno-omit-frame-pointer"]
     else:
         flags += ["-O2"]
     if opts.ucontext:
@@ -231,9 +235,10 @@ def _generate_wrapper(kernels: list[KernelDecl], extern_shared: list[tuple[str, 
               "    return minikv_sim::static_shared_bytes();",
               "}",
               "MINIKV_EXPORT int minikv_sim_launch(int i, void** args, const unsigned* grid, const unsigned* block,",
-              "                                    unsigned long shared_mem, char* err, unsigned long err_len) {",
+              "                                    unsigned long shared_mem, const minikv_sim::Schedule* sched,",
+              "                                    char* err, unsigned long err_len) {",
               "    return minikv_sim::launch(minikv_kernels[i].entry, args, grid, block, minikv_dyn_buffers,",
-              f"                              {len(buffers)}, shared_mem, {cap}, err, err_len);",
+              f"                              {len(buffers)}, shared_mem, {cap}, sched, err, err_len);",
               "}", ""]
     return "\n".join(lines)
 

@@ -221,12 +221,15 @@ def _vector_alignment(itemsize: int, lanes: int) -> int:
 
 
 def check_args(kernel: str, params: tuple[Param, ...], args, *, array_type: type, data_ptr,
-               strict: bool) -> None:
+               strict: bool, writable=None) -> None:
     """Raise KernelLaunchError unless ``args`` fit ``params`` exactly.
 
     array_type: the backend's device array class (numpy.ndarray on the sim, cupy.ndarray).
     data_ptr:   array -> its address, for alignment checks of vector pointers.
     strict:     refuse parameters of unknown type (the sim cannot pass what it cannot size).
+    writable:   array -> whether a kernel may write to it; None: every array is (CuPy, whose
+                ``flags`` has only ``c_contiguous``, ``f_contiguous`` and ``owndata``). Only
+                the attributes a CuPy ndarray has are read here: ``dtype``, ``size``, ``flags``.
     """
     if not isinstance(args, (tuple, list)):
         raise KernelLaunchError(f"{kernel}: args must be a tuple of arguments, got {type(args).__name__}")
@@ -258,7 +261,7 @@ def check_args(kernel: str, params: tuple[Param, ...], args, *, array_type: type
                 if data_ptr(a) % align:
                     raise KernelLaunchError(f"{where}: vector loads need {align}-byte aligned data, the array "
                                             f"starts at {data_ptr(a):#x} (an offset view?)")
-            if not p.const and not a.flags.writeable:
+            if not p.const and writable is not None and not writable(a):
                 raise KernelLaunchError(f"{where}: the kernel may write through this pointer, but the array "
                                         "is read-only")
         else:

@@ -1,12 +1,14 @@
 // sim_runtime.cpp: the CPU simulator's scheduler. Every CUDA thread of a block is a fiber.
 //
-// A launch runs the blocks one after another, in blockIdx order (x fastest). Within a block
-// the scheduler resumes READY fibers in FIFO order; a fiber runs until it waits (a barrier
-// or a warp collective), yields (a failed atomicCAS, __nanosleep) or returns. When no fiber
-// is READY the block is "quiescent": either every live thread waits at the same
-// __syncthreads() and all are released, or nothing can ever move again and the launch stops
-// with a deadlock report. A warp collective completes as soon as the last lane of its mask
-// arrives. Nothing depends on timing, so every run of a kernel is the same.
+// A launch runs the blocks one after another, by default in blockIdx order (x fastest);
+// Schedule::block_order reverses or shuffles that order (a seeded permutation). Within a
+// block the scheduler resumes READY fibers in FIFO order, or in a seeded random order
+// (Schedule::random_fibers); a fiber runs until it waits (a barrier or a warp collective),
+// yields (a failed atomicCAS, __nanosleep) or returns. When no fiber is READY the block is
+// "quiescent": either every live thread waits at the same __syncthreads() and all are
+// released, or nothing can ever move again and the launch stops with a deadlock report. A
+// warp collective completes as soon as the last lane of its mask arrives. Nothing depends on
+// timing, so every run of a kernel with the same schedule (and seeds) is the same.
 //
 // Errors never kill the process: a fault inside a fiber (bad shuffle, __trap, assert, or a
 // signal such as SIGSEGV on the stack guard page) records a message and returns to the
@@ -101,6 +103,15 @@ unsigned g_n_threads, g_n_exited;
 unsigned long g_spins;
 void (*g_entry)(void**);
 void** g_args;
+bool g_random_fibers;  // pop a random READY fiber instead of the oldest
+uint64_t g_rng;        // splitmix64 state of the fiber schedule
+
+uint64_t next_random(uint64_t* state) {  // splitmix64: small, fast, good enough for schedules
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
 
 Context g_sched_ctx;  // the scheduler, on the launching thread's own stack
 #ifdef MINIKV_ASAN
@@ -220,6 +231,12 @@ void make_running(Fiber* f) {
 }
 
 Fiber* pop_ready() {
+    if (g_random_fibers && g_ring_count > 1) {  // swap a random READY fiber to the head
+        const unsigned pick = (g_ring_head + (unsigned)(next_random(&g_rng) % g_ring_count)) % g_n_threads;
+        const int t = g_ring[pick];
+        g_ring[pick] = g_ring[g_ring_head];
+        g_ring[g_ring_head] = t;
+    }
     Fiber* f = &g_fibers[g_ring[g_ring_head]];
     g_ring_head = (g_ring_head + 1) % g_n_threads;
     --g_ring_count;
@@ -246,6 +263,10 @@ void resume(Fiber* f) {
 void suspend(bool finished) {
     Fiber* f = g_running;
     Fiber* next = g_ring_count && !g_error ? pop_ready() : nullptr;
+    if (next == f) {  // it was its own successor (a yield, a random pick): no switch
+        make_running(f);
+        return;
+    }
 #ifdef MINIKV_ASAN
     __sanitizer_start_switch_fiber(finished ? nullptr : &f->fake_stack, next ? next->stack_lo : g_main_stack_bottom,
                                    next ? next->stack_size : g_main_stack_size);
@@ -406,6 +427,10 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
     complete_collective(lanes, members);
     for (unsigned l = 0; l < 32; ++l)
         if ((members >> l & 1u) && &lanes[l] != me) make_ready(&lanes[l]);
+    if (g_random_fibers) {  // a switch point too: any lane of the group may go on first
+        make_ready(me);
+        suspend(false);
+    }
     me->state = RUNNING;
     return me->result;
 }
@@ -664,13 +689,48 @@ bool ensure_fibers(unsigned n) {
     return true;
 }
 
+// The order in which a launch runs its blocks: block(i) is the i-th block to run.
+struct BlockOrder {
+    uint64_t total, gx, gy;
+    int mode;                    // Schedule::block_order
+    std::vector<uint32_t> perm;  // random order of up to kMaxPermuted blocks
+    uint64_t mul = 1, add = 0;   // random order of larger grids: i -> (mul * i + add) mod total
+    static const uint64_t kMaxPermuted = 1u << 22;
+
+    BlockOrder(const unsigned grid[3], const Schedule& s)
+        : total((uint64_t)grid[0] * grid[1] * grid[2]), gx(grid[0]), gy(grid[1]), mode(s.block_order) {
+        if (mode != 2) return;
+        uint64_t state = s.block_seed;
+        if (total <= kMaxPermuted) {  // Fisher-Yates
+            perm.resize(total);
+            for (uint64_t i = 0; i < total; ++i) perm[i] = (uint32_t)i;
+            for (uint64_t i = total; i > 1; --i) {
+                const uint64_t j = next_random(&state) % i;
+                const uint32_t t = perm[i - 1];
+                perm[i - 1] = perm[j];
+                perm[j] = t;
+            }
+        } else {  // an affine bijection: mul coprime with total
+            auto gcd = [](uint64_t a, uint64_t b) { while (b) { const uint64_t t = a % b; a = b; b = t; } return a; };
+            do mul = next_random(&state) % total; while (mul == 0 || gcd(mul, total) != 1);
+            add = next_random(&state) % total;
+        }
+    }
+    uint3 block(uint64_t i) const {
+        uint64_t id = i;
+        if (mode == 1) id = total - 1 - i;
+        else if (mode == 2) id = perm.empty() ? (uint64_t)(((unsigned __int128)mul * i + add) % total) : perm[i];
+        return uint3{(unsigned)(id % gx), (unsigned)(id / gx % gy), (unsigned)(id / (gx * gy))};
+    }
+};
+
 }  // namespace
 
 // Runs entry(args) for every thread of every block. dyn_buffers are the buffers of the
 // `extern __shared__` arrays (dyn_capacity bytes each, of which the launch asked for dyn_bytes).
 int launch(void (*entry)(void**), void** args, const unsigned grid[3], const unsigned block[3],
-           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity, char* err,
-           size_t err_len) {
+           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity,
+           const Schedule* sched, char* err, size_t err_len) {
     g_error = OK;
     g_msg[0] = 0;
     g_timeout_hit = 0;
@@ -681,7 +741,7 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
     g_entry = entry;
     g_args = args;
     g_launch_thread = pthread_self();
-    if (g_n_threads == 0 || g_n_threads > 1024 || dyn_bytes > dyn_capacity)
+    if (g_n_threads == 0 || g_n_threads > 1024 || dyn_bytes > dyn_capacity || sched->block_order > 2)
         set_error(BAD_LAUNCH, "bad launch configuration");
     else if (!ensure_fibers(g_n_threads))
         set_error(BAD_LAUNCH, "cannot map %u fiber stacks (out of memory?)", g_n_threads);
@@ -701,17 +761,18 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
     for (int i = 0; i < n_dyn_buffers && dyn_bytes < dyn_capacity; ++i)
         ASAN_POISON_MEMORY_REGION(dyn_buffers[i] + dyn_bytes, dyn_capacity - dyn_bytes);
 #endif
+    g_random_fibers = sched->random_fibers != 0;
+    BlockOrder order(grid, *sched);
     install_signals();
     if (sigsetjmp(g_escape, 1) == 0) {
-        for (unsigned z = 0; z < grid[2] && !g_error; ++z)
-            for (unsigned y = 0; y < grid[1] && !g_error; ++y)
-                for (unsigned x = 0; x < grid[0] && !g_error; ++x) {
-                    g_block_idx = uint3{x, y, z};
-                    // Shared memory starts out as garbage on a GPU; here it is all 0xff bytes.
-                    if (static_shared_bytes()) memset(__start_minikv_shared, 0xff, static_shared_bytes());
-                    for (int i = 0; i < n_dyn_buffers; ++i) memset(dyn_buffers[i], 0xff, dyn_bytes);
-                    run_block();
-                }
+        for (uint64_t i = 0; i < order.total && !g_error; ++i) {
+            g_block_idx = order.block(i);
+            g_rng = sched->fiber_seed ^ (0x5851f42d4c957f2dull * (i + 1));  // each block its own stream
+            // Shared memory starts out as garbage on a GPU; here it is all 0xff bytes.
+            if (static_shared_bytes()) memset(__start_minikv_shared, 0xff, static_shared_bytes());
+            for (int j = 0; j < n_dyn_buffers; ++j) memset(dyn_buffers[j], 0xff, dyn_bytes);
+            run_block();
+        }
     } else {  // a signal inside a fiber; the handler set g_error and g_msg
         g_in_fiber = 0;
         g_running = nullptr;
@@ -730,6 +791,38 @@ int launch(void (*entry)(void**), void** args, const unsigned grid[3], const uns
 size_t static_shared_bytes() { return (size_t)(__stop_minikv_shared - __start_minikv_shared); }
 
 }  // namespace minikv_sim
+
+#ifdef MINIKV_ASAN
+// -fsanitize=alignment (ASan builds): a misaligned access, such as a float4 load through a pointer
+// that is not 16-byte aligned, is a fault on a GPU ("misaligned address"). These definitions of
+// the UBSan hooks (GCC's v1 ABI) are hidden in every module, so the module's checks call them
+// rather than libubsan's, and the fault is reported like any other instead of printed.
+namespace {
+struct UbsanLocation { const char* file; unsigned line, column; };
+struct UbsanType { unsigned short kind, info; char name[1]; };
+struct UbsanTypeMismatch {
+    UbsanLocation loc;
+    const UbsanType* type;
+    unsigned char log_alignment, check_kind;
+};
+void report_mismatch(const UbsanTypeMismatch* d, uintptr_t ptr) {
+    const uintptr_t align = (uintptr_t)1 << d->log_alignment;
+    if (!ptr || (ptr & (align - 1)) == 0) return;  // only alignment is checked
+    if (minikv_sim::g_in_fiber)
+        minikv_sim::fail(minikv_sim::FAULT, "misaligned address %p at %s:%u: a %s needs %lu-byte alignment (a "
+                         "vector load or store through an offset pointer?)", (const void*)ptr, d->loc.file,
+                         d->loc.line, d->type->name, (unsigned long)align);
+    fprintf(stderr, "minikv_sim: misaligned address %p at %s:%u\n", (const void*)ptr, d->loc.file, d->loc.line);
+    abort();
+}
+}  // namespace
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1(void* d, uintptr_t ptr) {
+    report_mismatch((const UbsanTypeMismatch*)d, ptr);
+}
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1_abort(void* d, uintptr_t ptr) {
+    report_mismatch((const UbsanTypeMismatch*)d, ptr);
+}
+#endif
 
 // assert() in a kernel: report it like __trap() instead of aborting the Python process.
 extern "C" void __assert_fail(const char* expr, const char* file, unsigned int line, const char* func) noexcept {

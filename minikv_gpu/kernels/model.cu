@@ -25,8 +25,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 //          writes 4*N*H.
 //
 // Each thread strides over the row summing squares, the warp reduces with
-// shuffles, warp 0 reduces the per-warp sums. x and out may alias: every
-// element is read before the barrier and written after it by the same thread.
+// shuffles, warp 0 reduces the per-warp sums. x and out must not alias: x is
+// __restrict__ (so its loads may go through the read-only path), and writing
+// through an alias of a __restrict__ pointer is undefined behaviour. The caller,
+// minikv_gpu.model.rms_norm, always writes to a new array.
 // ---------------------------------------------------------------------------
 extern "C" __global__ void rms_norm_v1(const float* __restrict__ x, const float* __restrict__ w,
                                        float* out, int n_rows, int hidden, float eps) {

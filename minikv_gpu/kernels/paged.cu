@@ -97,7 +97,7 @@ struct PagedRows {
             }
             row_s[threadIdx.x] = row;
         }
-        __syncthreads();
+        __syncthreads();  // needed: row_s is read by every thread in load_tile (see cpu_sim/README.md, barriers)
     }
     __device__ __forceinline__ long long operator()(int key) const { return row_s[key - k0]; }
 };

@@ -5,6 +5,9 @@
 ``sim_rt``   the simulator only (tests of the simulator itself).
 ``cupy_rt``  CuPy only; skips where there is no GPU. Mark such tests ``@pytest.mark.gpu``:
              they skip cleanly here as well (full-size checks that would be too slow on the sim).
+``default_schedule``  clears MINIKV_SIM_BLOCKS and MINIKV_SIM_SCHEDULE for a test that shows what
+             the simulator's default schedule does (printf order, which thread a report names);
+             CI also runs the kernel tests under the other schedules (Makefile ``test``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def rt(request):
 @pytest.fixture(scope="session")
 def sim_rt():
     return runtime.get_runtime("sim")
+
+
+@pytest.fixture
+def default_schedule(monkeypatch):
+    monkeypatch.delenv("MINIKV_SIM_BLOCKS", raising=False)
+    monkeypatch.delenv("MINIKV_SIM_SCHEDULE", raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -118,7 +118,7 @@ def test_dynamic_shared_memory(rt):
     np.testing.assert_array_equal(rt.asnumpy(out), x.reshape(3, 48)[:, ::-1].ravel())
 
 
-def test_missing_syncthreads_reads_what_was_not_written_yet(sim_rt):
+def test_missing_syncthreads_reads_what_was_not_written_yet(sim_rt, default_schedule):
     """The simulator runs thread 0, 1, 2, ... each up to its next barrier. Without the barrier,
     thread t < n/2 reads buf[n-1-t] before its owner wrote it, and shared memory starts as
     0xff bytes (NaN), so the race shows as NaN in the first half, on every run. (A GPU gives
@@ -232,7 +232,7 @@ def test_math_constants(sim_rt):
     assert out[0] == np.inf and out[1] == -np.inf and out[2] == np.float32(np.pi)
 
 
-def test_printf_comes_out_in_thread_order(sim_rt, capfd):
+def test_printf_comes_out_in_thread_order(sim_rt, default_schedule, capfd):
     sim_k(sim_rt, "say")((2,), (4,), (np.int32(2),))
     lines = capfd.readouterr().out.splitlines()
     assert lines == ["thread 0 of block 0", "thread 1 of block 0", "thread 0 of block 1", "thread 1 of block 1"]

@@ -38,12 +38,12 @@ def test_shuffle_from_an_exited_lane_is_a_fault(sim_rt):
     assert not isinstance(info.value, KernelDeadlockError)
 
 
-def test_shuffle_with_a_mask_without_the_caller_is_a_fault(sim_rt):
+def test_shuffle_with_a_mask_without_the_caller_is_a_fault(sim_rt, default_schedule):
     with pytest.raises(KernelFaultError, match=r"thread \(16,0,0\).*does not include the calling lane 16"):
         sim_k(sim_rt, "shuffle_foreign_mask")((1,), (32,), (np.zeros(32, np.float32),))
 
 
-def test_lanes_in_different_collectives_with_one_mask_is_a_fault(sim_rt):
+def test_lanes_in_different_collectives_with_one_mask_is_a_fault(sim_rt, default_schedule):
     with pytest.raises(KernelFaultError, match=r"meet in different collectives.*__shfl_sync.*__ballot_sync"):
         sim_k(sim_rt, "mixed_collectives")((1,), (32,), (np.zeros(32, np.uint32),))
 
@@ -67,7 +67,7 @@ def test_assert_and_integer_division_by_zero_are_reported(sim_rt):
         sim_k(sim_rt, "checks")((1,), (4,), (np.array([0, 2, 3, 4], np.int32), out))
 
 
-def test_a_spin_wait_that_cannot_end_hits_the_watchdog(sim_rt, monkeypatch):
+def test_a_spin_wait_that_cannot_end_hits_the_watchdog(sim_rt, default_schedule, monkeypatch):
     monkeypatch.setenv("MINIKV_SIM_TIMEOUT", "0.3")  # seconds of CPU time
     with pytest.raises(KernelDeadlockError, match="CPU time limit"):
         sim_k(sim_rt, "spin_forever")((1,), (2,), (np.zeros(1, np.int32),))

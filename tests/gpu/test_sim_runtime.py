@@ -138,6 +138,33 @@ def test_asan_catches_dynamic_shared_memory_beyond_the_launch_size():
     assert proc.returncode != 0 and "AddressSanitizer: use-after-poison" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_asan_build_catches_a_misaligned_vector_load():
+    """-fsanitize=alignment: a float4 load 4 bytes off its alignment faults on a GPU, and here too
+    (without ASan, x86 loads it happily)."""
+    script = textwrap.dedent('''
+        import numpy as np
+        from minikv.errors import KernelFaultError
+        from minikv_gpu import runtime
+        src = """extern "C" __global__ void shifted(const float* x, float* out, int offset) {
+            const float4 v = *reinterpret_cast<const float4*>(x + offset + 4 * threadIdx.x);
+            out[threadIdx.x] = v.x + v.y + v.z + v.w;
+        }"""
+        k = runtime.get_runtime("sim").kernel_from_source(src, "shifted")
+        x, out = np.arange(40, dtype=np.float32), np.zeros(8, np.float32)
+        k((1,), (8,), (x, out, np.int32(0)))
+        assert out[1] == 4 + 5 + 6 + 7, out
+        try:
+            k((1,), (8,), (x, out, np.int32(1)))
+        except KernelFaultError as exc:
+            print("caught:", exc)
+    ''')
+    proc = subprocess.run([sys.executable, "-c", script], env=_asan_env(), capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert re.search(r"caught: shifted<<<.*thread \(0,0,0\): misaligned address 0x[0-9a-f]*4 at <source>:2: "
+                     r"a .*float4.* needs 16-byte alignment", proc.stdout), proc.stdout + proc.stderr[-3000:]
+
+
 def test_asan_run_of_the_simulator_tests():
     """The simulator's kernel tests (test_cpu_sim*.py), compiled with -fsanitize=address: no report,
     same results."""

@@ -137,10 +137,18 @@ uint64_t warp_collective(WarpOp op, unsigned int mask, uint64_t value, int arg, 
 unsigned int active_mask() MINIKV_HIDDEN;
 void yield() MINIKV_HIDDEN;
 [[noreturn]] void trap(const char* what, Site site) MINIKV_HIDDEN;
+// How a launch orders its blocks and the fibers of a block (module.py fills it from
+// MINIKV_SIM_BLOCKS and MINIKV_SIM_SCHEDULE).
+struct Schedule {
+    unsigned long long block_order;  // 0 blockIdx order (x fastest), 1 reversed, 2 random (block_seed)
+    unsigned long long block_seed;
+    unsigned long long random_fibers;  // 0 FIFO, 1 a random READY fiber at each switch (fiber_seed)
+    unsigned long long fiber_seed;
+};
 // Entry points for the generated launch wrapper (see build.py).
 int launch(void (*entry)(void**), void** args, const unsigned grid[3], const unsigned block[3],
-           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity, char* err,
-           size_t err_len) MINIKV_HIDDEN;
+           char* const* dyn_buffers, int n_dyn_buffers, size_t dyn_bytes, size_t dyn_capacity,
+           const Schedule* sched, char* err, size_t err_len) MINIKV_HIDDEN;
 size_t static_shared_bytes() MINIKV_HIDDEN;
 
 template <class T>
