@@ -113,3 +113,15 @@ def test_smollm2_contiguous_and_paged_agree_and_the_perplexity_is_plausible(smol
     assert abs(c - p) <= 1e-4 * abs(c)
     assert 1.0 < runs["contiguous"]["ppl"] < 100
     assert runs["contiguous"]["cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 K and V
+
+
+def test_a_long_prefill_is_scored_in_slices_with_the_same_result(tiny, monkeypatch):
+    import minikv.perplexity as ppl
+
+    model, ids = tiny
+    whole = perplexity(model, ids, prefill=22)["mean_nll"]
+    monkeypatch.setattr(ppl, "SCORE_ROWS", 4)  # 22 prefill rows: slices of 4, 4, 4, 4, 4, 2
+    ticks = []
+    sliced = perplexity(model, ids, prefill=22, progress=ticks.append)
+    assert sliced["scored_tokens"] == 22 and ticks == [22]
+    assert abs(sliced["mean_nll"] - whole) <= 1e-12 * abs(whole)

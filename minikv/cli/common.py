@@ -181,8 +181,8 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
 def add_prompt_flags(p: argparse.ArgumentParser, default: str | None = None) -> None:
     """``--prompt TEXT`` or ``--prompt-ids 1,2,3`` (one of them; required unless ``default`` is given)."""
     g = p.add_mutually_exclusive_group(required=default is None)
-    g.add_argument("--prompt", default=default, help="the prompt text" + (f" (default: {default!r})" if default
-                                                                            else ""))
+    shown = f" (default: {default!r})" if default is not None else ""
+    g.add_argument("--prompt", default=default, help=f"the prompt text{shown}")
     g.add_argument("--prompt-ids", metavar="IDS", default=None,
                    help="the prompt as token ids, separated by commas and/or whitespace (e.g. 1,2,3); needed for "
                         "a checkpoint directory, which has no tokenizer")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from minikv.cli.common import (
     add_model_flag,
+    check_ids,
     load_model_arg,
     parse_ids,
     print_json,
@@ -63,11 +64,8 @@ def _eval_ids(args, model, tok, ids) -> tuple[list[int], str]:
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     _check_counts(len(ids), args, where)
-    vocab, context = model.config.vocab_size, model.config.max_position
-    bad = [t for t in ids if t >= vocab]
-    if bad:
-        raise InvalidInputError(f"{where}: token id {bad[0]} is outside the model's vocabulary [0, {vocab}); "
-                                "was it encoded for this model?")
+    check_ids(ids, model.config.vocab_size, where)
+    context = model.config.max_position
     if len(ids) - 1 > context:
         raise InvalidInputError(f"{where} gives {len(ids)} tokens, past the model's context of max_position="
                                 f"{context}; use --max-tokens {context + 1} or fewer")
