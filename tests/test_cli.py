@@ -6,7 +6,7 @@ import pytest
 
 from minikv.cli import main
 
-SUBCOMMANDS = ["generate", "demo", "memory", "compare", "bench"]
+SUBCOMMANDS = ["generate", "demo", "perplexity", "memory", "compare", "bench"]
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -29,6 +29,7 @@ def test_generate_json_is_the_last_line_and_caches_agree(capsys, smollm2_path):
     for cache, r in runs.items():
         assert set(r) >= {"prompt_ids", "token_ids", "text", "prefill_s", "decode_tokens_per_s", "cache"}
         assert r["cache"] == cache and len(r["token_ids"]) == 6 and r["prefill_s"] > 0
+        assert r["cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32
     assert runs["none"]["token_ids"] == runs["contiguous"]["token_ids"] == runs["paged"]["token_ids"]
     assert runs["contiguous"]["text"].startswith(" Paris")
 
@@ -109,3 +110,96 @@ def test_memory_names_flags_where_the_formulas_name_fields(capsys):
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1])["params"] is None
     assert "need the whole shape: --hidden, --heads, --intermediate, --vocab" in out
+
+
+@pytest.mark.model
+def test_generate_prompt_ids_equal_the_encoded_prompt(capsys, smollm2, smollm2_path):
+    _, tok = smollm2
+    ids = tok.encode("The capital of France is")
+    runs = []
+    for prompt in (["--prompt", "The capital of France is"], ["--prompt-ids", ", ".join(map(str, ids))]):
+        assert main(["generate", *prompt, "--greedy", "--max-new-tokens", "3", "--json",
+                     "--model", str(smollm2_path)]) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"] == ids
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] and runs[1]["text"].startswith(" Paris")
+
+
+@pytest.fixture
+def checkpoint_dir(monkeypatch, tmp_path):
+    """A --model directory that loads as a tiny random model without a tokenizer (what a checkpoint gives).
+
+    ``minikv.checkpoints`` is another step's module; here its loader is replaced so the CLI's
+    tokenizer-less paths are tested on their own.
+    """
+    import numpy as np
+
+    from minikv.cli import common
+    from minikv.model import random_model
+
+    model = random_model(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
+                         vocab_size=64, dtype=np.float64)
+    monkeypatch.setattr(common, "_load_checkpoint", lambda path: model)
+    return str(tmp_path)
+
+
+def test_a_checkpoint_takes_ids_and_refuses_text(capsys, checkpoint_dir, tmp_path):
+    for argv, fix in ((["generate", "--prompt", "hi"], "use --prompt-ids"), (["demo"], "use --prompt-ids"),
+                      (["compare", "--prompt", "hi", "--backend", "sim"], "use --prompt-ids")):
+        assert main(argv + ["--model", checkpoint_dir]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "--prompt needs a tokenizer" in line and fix in line
+    assert main(["generate", "--prompt-ids", "1 2 3", "--max-new-tokens", "4", "--greedy", "--json",
+                 "--model", checkpoint_dir]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    assert out[0].startswith("1 2 3 ") and r["text"] is None and r["prompt_ids"] == [1, 2, 3]
+    assert len(r["token_ids"]) == 4 or r["finish_reason"] == "eos"  # the random model's EOS is id 63
+    assert r["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 8  # K and V, 2 layers, 2 KV heads of 8, float64
+    assert main(["demo", "--prompt-ids", "5,6", "--max-new-tokens", "3", "--model", checkpoint_dir]) == 0
+    assert "identical tokens: True" in capsys.readouterr().out
+    text = tmp_path / "t.txt"
+    text.write_text("some words")
+    assert main(["perplexity", "--text-file", str(text), "--model", checkpoint_dir]) == 2
+    assert "use --ids-file" in _one_error_line(capsys.readouterr().err)
+
+
+def test_perplexity_on_a_checkpoint_equals_the_library(capsys, checkpoint_dir, tmp_path):
+    from minikv.cli import common
+    from minikv.perplexity import perplexity
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1, 2, 3, 4\n5 6 7 8 9 10 11 12\n")
+    assert main(["perplexity", "--ids-file", str(ids), "--cache", "paged", "--block-size", "3", "--prefill", "4",
+                 "--max-tokens", "10", "--json", "--model", checkpoint_dir]) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out.strip().splitlines()[-1])
+    assert "perplexity (paged)" in captured.err and "tok/s" in captured.err  # the bar, on stderr
+    want = perplexity(common._load_checkpoint(checkpoint_dir), list(range(1, 11)), prefill=4)
+    assert r["tokens"] == 10 and r["scored_tokens"] == 9 and r["cache"] == "paged" and r["prefill"] == 4
+    assert r["mean_nll"] == pytest.approx(want["mean_nll"], rel=1e-10) and r["ppl"] == pytest.approx(want["ppl"])
+    assert r["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 8 and r["elapsed_s"] > 0
+
+
+@pytest.mark.model
+def test_perplexity_of_a_text_file_on_smollm2(capsys, smollm2, smollm2_path, tmp_path):
+    from minikv.bench.corpus import reference_text, reference_tokens
+
+    text = tmp_path / "text.txt"
+    text.write_text(reference_text())
+    assert main(["perplexity", "--text-file", str(text), "--max-tokens", "32", "--prefill", "4", "--json",
+                 "--model", str(smollm2_path)]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(map(str, reference_tokens(smollm2[1], 32))))
+    assert main(["perplexity", "--ids-file", str(ids), "--prefill", "4", "--json", "--model", str(smollm2_path)]) == 0
+    same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["tokens"] == same["tokens"] == 32 and r["mean_nll"] == same["mean_nll"]
+    assert 1 < r["ppl"] < 100 and set(r) >= {"cache", "cache_bytes_per_token", "elapsed_s"}
+
+
+def test_compare_takes_prompt_ids_and_reports_them(capsys):
+    assert main(["compare", "--random", "--backend", "sim", "--prompt-ids", "7, 300 49151", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["prompt_ids"] == [7, 300, 49151] and r["prompt_tokens"] == 3 and r["tokens_agree"]

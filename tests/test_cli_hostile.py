@@ -25,6 +25,13 @@ NOT_INTS = ["", "abc", "1.5", "1e3", "0x10", "--", "nan", "½", "1 2", "+-1"]
 NOT_FLOATS = ["", "abc", "nan", "inf", "-inf", "1e999", "-1e999", "0x1p3", "1,5"]
 MODEL_FILES = {"missing": None, "directory": None, "empty": b"", "junk": b"\x8c\x08\xbf\x22 not a model",
                "gguf junk": b"GGUF" + bytes(range(256)) * 4}
+# token ids on the command line that parse_ids refuses (the vocabulary bound needs a model: see below)
+NOT_IDS = ["", " ", "abc", "-1", "1.5", "1,,2", ",1", "1,", "1;2", "0x10", "½", "1e3", "+1", "9" * 30, "1 -2"]
+# input files: kind -> content (None: no such file, or a directory); the ids-only kinds are valid text
+INPUT_FILES = {"missing": None, "directory": None, "empty": b"", "blank": b" \n\t\n", "not utf-8": b"\xff\xfe\x00ab",
+               "not ids": b"1, 2, abc", "negative ids": b"3 -1 4", "empty entry": b"1,,2"}
+TEXT_FILE_KINDS = ("missing", "directory", "empty", "blank", "not utf-8")
+GOOD_IDS = b"1, 2, 3\n4 5"  # five ids: valid for any vocabulary of more than 5 tokens
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +46,33 @@ def bad_models(tmp_path_factory) -> dict[str, str]:
     return {kind: str(p) for kind, p in paths.items()}
 
 
-def base_argv(command: str, bad_model: str) -> list[str]:
-    """An argv of ``command`` that would run (a benchmark, or up to loading ``bad_model``)."""
-    return {"generate": ["generate", "--prompt", "hi", "--model", bad_model],
+@pytest.fixture(scope="module")
+def input_files(tmp_path_factory) -> dict[str, str]:
+    """kind -> a --text-file/--ids-file path (see INPUT_FILES), plus "good": five valid ids."""
+    root = tmp_path_factory.mktemp("inputs")
+    paths = {"missing": root / "nope.txt", "directory": root}
+    for kind, data in {**INPUT_FILES, "good": GOOD_IDS}.items():
+        if data is not None:
+            paths[kind] = root / f"{kind.replace(' ', '_')}.txt"
+            paths[kind].write_bytes(data)
+    return {kind: str(p) for kind, p in paths.items()}
+
+
+GOOD_IDS_FILE = "<good ids file>"  # replaced by input_files["good"] in hostile_argv
+
+
+def base_argv(command: str, bad_model: str, flag: str = "") -> list[str]:
+    """An argv of ``command`` that would run (a benchmark, or up to loading ``bad_model``).
+
+    ``flag`` is the one about to be added: a flag exclusive with one in the argv replaces it.
+    """
+    prompt = [] if flag == "--prompt-ids" else ["--prompt", "hi"]
+    source = [] if flag == "--text-file" else ["--ids-file", GOOD_IDS_FILE]
+    return {"generate": ["generate", *prompt, "--model", bad_model],
             "demo": ["demo", "--model", bad_model],
+            "perplexity": ["perplexity", *source, "--model", bad_model],
             "memory": ["memory", "--preset", "smollm2-135m"],
-            "compare": ["compare", "--prompt", "hi", "--backend", "sim", "--model", bad_model],
+            "compare": ["compare", *prompt, "--backend", "sim", "--model", bad_model],
             "bench": ["bench", "batching", "--requests=1"]}[command]
 
 
@@ -76,6 +104,10 @@ def _flags() -> list[tuple[str, str, str, tuple]]:
                 out.append((command, flag, "model", ()))
             elif flag == "--prompt":
                 out.append((command, flag, "text", ()))
+            elif flag == "--prompt-ids":
+                out.append((command, flag, "ids", ()))
+            elif flag in ("--text-file", "--ids-file"):
+                out.append((command, flag, "file", ()))
             else:
                 out.append((command, flag, "unknown", ()))
     return out
@@ -86,7 +118,7 @@ FLAGS = _flags()
 
 def test_every_flag_has_a_rule():
     """A new integer or float flag cannot skip the checks: the table must have a row for it."""
-    assert {c for c, *_ in FLAGS} == {"generate", "demo", "memory", "compare", "bench"}
+    assert {c for c, *_ in FLAGS} == {"generate", "demo", "perplexity", "memory", "compare", "bench"}
     for command, flag, kind, _ in FLAGS:
         assert kind != "unknown", f"{command} {flag}: no hostile values defined for it"
         if kind == "int":
@@ -112,7 +144,17 @@ def hostile(kind: str, flag: str, choices: tuple) -> st.SearchStrategy[str]:
         return st.text(max_size=12).filter(lambda s: s not in choices and not s.startswith("-"))
     if kind == "model":
         return st.sampled_from(sorted(MODEL_FILES))
+    if kind == "ids":
+        return st.one_of(st.sampled_from(NOT_IDS), st.integers(max_value=-1).map(str),
+                         st.text(alphabet=" ,;-.x", max_size=6))
+    if kind == "file":
+        return st.sampled_from(file_kinds(flag))
     return st.just("")  # --prompt
+
+
+def file_kinds(flag: str) -> list[str]:
+    """The bad INPUT_FILES kinds for ``flag`` (some are valid text for --text-file)."""
+    return sorted(TEXT_FILE_KINDS if flag == "--text-file" else INPUT_FILES)
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -126,12 +168,14 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def hostile_argv(command: str, flag: str, kind: str, value: str, bad_models: dict) -> list[str]:
-    argv = base_argv(command, bad_models["junk"])
+def hostile_argv(command: str, flag: str, kind: str, value: str, bad_models: dict, inputs: dict) -> list[str]:
+    argv = [inputs["good"] if a == GOOD_IDS_FILE else a for a in base_argv(command, bad_models["junk"], flag)]
     if kind == "positional":
         return [command, value] + argv[2:]
     if kind == "model":
         value = bad_models[value]
+    if kind == "file":
+        value = inputs[value]
     return argv + [f"{flag}={value}"]  # --flag=value: a value that starts with '-' stays a value
 
 
@@ -148,10 +192,10 @@ def assert_refused(argv: list[str], names: str) -> str:
 
 @settings(max_examples=120, deadline=None)
 @given(data=st.data())
-def test_hostile_arguments_are_refused_in_one_line(data, bad_models):
+def test_hostile_arguments_are_refused_in_one_line(data, bad_models, input_files):
     command, flag, kind, choices = data.draw(st.sampled_from(FLAGS), label="flag")
     value = data.draw(hostile(kind, flag, choices), label="value")
-    assert_refused(hostile_argv(command, flag, kind, value, bad_models), flag)
+    assert_refused(hostile_argv(command, flag, kind, value, bad_models, input_files), flag)
 
 
 def _edge_values(kind: str, flag: str) -> list[str]:
@@ -162,17 +206,75 @@ def _edge_values(kind: str, flag: str) -> list[str]:
         return ["nan", "inf", repr(FLOAT_FLAGS[flag][0] - 1)]
     if kind in ("choice", "positional"):
         return ["bogus", ""] if kind == "choice" else ["bogus"]
+    if kind == "ids":
+        return NOT_IDS
+    if kind == "file":
+        return file_kinds(flag)
     return sorted(MODEL_FILES) if kind == "model" else [""]
 
 
 @pytest.mark.parametrize("command, flag, kind, choices", FLAGS, ids=[f"{c} {f}" for c, f, *_ in FLAGS])
-def test_every_flag_refuses_its_edges(command, flag, kind, choices, bad_models):
+def test_every_flag_refuses_its_edges(command, flag, kind, choices, bad_models, input_files):
     """Each flag's nearest bad values, deterministically (the property test samples the rest)."""
     for value in _edge_values(kind, flag):
-        assert_refused(hostile_argv(command, flag, kind, value, bad_models), flag)
+        assert_refused(hostile_argv(command, flag, kind, value, bad_models, input_files), flag)
 
 
 def test_a_length_past_the_context_is_refused_before_the_model_is_built():
     line = assert_refused(["compare", "--prompt", "hi", "--random", "--backend", "sim",
                            "--max-new-tokens", "100000000"], "--max-new-tokens")
     assert "max_position=8192" in line and "<= 8191" in line
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--prefill", "5"], "--prefill=5 is outside [1, 4]"),   # the five ids leave 4 positions to feed
+    (["--prefill", "3", "--max-tokens", "3"], "--prefill=3 is outside [1, 2]"),
+    (["--max-tokens", "1"], "--max-tokens=1"),
+    (["--max-tokens", "0"], "--max-tokens=0"),
+])
+def test_perplexity_refuses_a_prefill_that_leaves_nothing_to_score(extra, names, bad_models, input_files):
+    assert_refused(["perplexity", "--ids-file", input_files["good"], "--model", bad_models["junk"], *extra], names)
+
+
+def test_perplexity_needs_exactly_one_input(bad_models, input_files):
+    assert_refused(["perplexity", "--model", bad_models["junk"]], "--text-file")
+    assert_refused(["perplexity", "--ids-file", input_files["good"], "--text-file", input_files["good"]],
+                   "--text-file")
+    one_id = input_files["directory"] + "/one_id.txt"
+    with open(one_id, "w") as f:
+        f.write("7\n")
+    assert_refused(["perplexity", "--ids-file", one_id, "--model", bad_models["junk"]], "has 1 token(s)")
+
+
+def test_prompt_and_prompt_ids_are_exclusive_and_checked(bad_models):
+    assert_refused(["generate", "--prompt", "hi", "--prompt-ids", "1,2", "--model", bad_models["junk"]],
+                   "--prompt-ids")
+    assert_refused(["generate", "--model", bad_models["junk"]], "--prompt")
+    assert_refused(["generate", "--prompt-ids", "1,2", "--chat", "--model", bad_models["junk"]], "--chat")
+    line = assert_refused(["generate", "--prompt-ids", "1,x", "--model", bad_models["junk"]], "--prompt-ids")
+    assert "entry 1 is 'x'" in line
+    # no model needed to know SmolLM2's vocabulary under --random
+    line = assert_refused(["compare", "--random", "--backend", "sim", "--prompt-ids", "1 49152"], "--prompt-ids")
+    assert "token id 49152" in line and "[0, 49152)" in line
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("argv", [
+    ["perplexity", "--ids-file", "<ids>"], ["generate", "--prompt-ids", "5,49152,3"],
+    ["compare", "--backend", "sim", "--prompt-ids", "5 49153"], ["demo", "--prompt-ids", "99999"],
+])
+def test_ids_past_the_vocabulary_are_refused_once_the_model_is_known(argv, smollm2_path, tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3 49152 4")
+    argv = [str(ids) if a == "<ids>" else a for a in argv]
+    flag = "--ids-file" if "--ids-file" in argv else "--prompt-ids"
+    line = assert_refused(argv + ["--model", str(smollm2_path)], flag)
+    assert "vocabulary [0, 49152)" in line
+
+
+def test_a_checkpoint_directory_without_minikv_checkpoints_is_refused(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "minikv.checkpoints", None)  # importing it raises ImportError
+    line = assert_refused(["generate", "--prompt-ids", "1,2", "--model", str(tmp_path)], "--model")
+    assert "ModelFormatError" in line and "minikv.checkpoints" in line

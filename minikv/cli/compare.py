@@ -6,14 +6,14 @@ lazily, so ``minikv`` itself never depends on the GPU wing.
 
 from __future__ import annotations
 
-from minikv.cli.common import add_model_flag, load_model_arg, print_json
-from minikv.cli.text import cache_help
+from minikv.cli.common import add_model_flag, add_prompt_flags, check_ids, load_model_arg, print_json
+from minikv.cli.text import cache_help, prompt_ids_of
 from minikv.generate import CACHE_KINDS
 
 
 def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="run the NumPy path and the GPU path (CuPy or simulator) token by token")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    add_prompt_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=8, help="steps to compare, the prefill included")
     p.add_argument("--backend", choices=["cupy", "sim"], default=None,
                    help="GPU path: CuPy or the CPU simulator (default: $MINIKV_GPU_BACKEND, else CuPy if usable)")
@@ -23,7 +23,8 @@ def add_compare(sub) -> None:
                    help="what both caches store (attention computes in float32 either way)")
     p.add_argument("--fused", action="store_true", help="decode with the fused RoPE + cache-write + attention kernel")
     p.add_argument("--random", action="store_true",
-                   help="SmolLM2-135M's shapes with random weights (no GGUF file needed; prompt bytes as ids)")
+                   help="SmolLM2-135M's shapes with random weights (no GGUF file needed; --prompt's UTF-8 bytes "
+                        "as ids, or --prompt-ids)")
     p.add_argument("--seed", type=int, default=0, help="weights seed for --random")
     p.add_argument("--tol", type=float, default=None,
                    help="exit 1 if max |Δlogit| exceeds this or tokens differ (default 1e-3; 1e-2 with a float16 "
@@ -42,13 +43,16 @@ def _model_and_ids(args):
     if args.random:
         if args.model:
             raise ConfigError("give either --model PATH or --random, not both")
-        ids = list(args.prompt.encode("utf-8"))  # byte values are valid ids of any vocab >= 256
+        if args.prompt_ids is not None:
+            ids = check_ids(args.prompt_ids, SMOLLM2_SHAPES["vocab_size"], "--prompt-ids")
+        else:
+            ids = list(args.prompt.encode("utf-8"))  # byte values are valid ids of any vocab >= 256
         check_context(SMOLLM2_SHAPES["max_position"], len(ids), args.max_new_tokens, name="--max-new-tokens")
         return smollm2_random(args.seed), ids, f"SmolLM2-135M shapes, random weights (seed {args.seed})"
     model, tok = load_model_arg(args.model)
-    ids = tok.encode(args.prompt)
+    ids = prompt_ids_of(args, model, tok, chat=False)
     check_context(model.config.max_position, len(ids), args.max_new_tokens, name="--max-new-tokens")
-    return model, ids, "SmolLM2-135M (GGUF)"
+    return model, ids, "SmolLM2-135M (GGUF)" if tok is not None else f"checkpoint {args.model}"
 
 
 def _run_compare(args) -> int:
@@ -75,5 +79,5 @@ def _run_compare(args) -> int:
     print(f"max |Δlogit| {res.max_abs_logit_diff:.3e} over {len(res.steps)} steps (tolerance {tol:g}); "
           f"greedy tokens {'agree' if res.tokens_agree else 'DIFFER'}")
     if args.json:
-        print_json(res.summary())
+        print_json({**res.summary(), "prompt_ids": [int(t) for t in ids]})
     return 0 if ok else 1

@@ -97,7 +97,7 @@ def _run_memory(args) -> int:
 
     if args.list_presets:
         for name, shape in PRESETS.items():
-            print(f"{name:14s} {shape.attention_kind}  {shape.source}")
+            print(f"{name:16s} {shape.attention_kind}  {shape.source}")
         return 0
     try:
         shape = _shape(args)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from minikv.cli.common import add_model_flag, load_model_arg, print_json, progress
+from minikv.cli.common import (
+    add_model_flag,
+    add_prompt_flags,
+    check_ids,
+    load_model_arg,
+    print_json,
+    progress,
+    require_tokenizer,
+)
+from minikv.errors import InvalidInputError
 from minikv.generate import CACHE_KINDS
 
 
@@ -22,7 +31,7 @@ def generate_streaming(model, tok, prompt_ids, max_new_tokens: int, bar: str | N
     """
     from minikv.generate import generate
 
-    printer = tok.stream_decoder(skip_special_tokens=True)
+    printer = tok.stream_decoder(skip_special_tokens=True) if tok is not None else _IdPrinter()
     if bar is None:
         res = generate(model, prompt_ids, max_new_tokens,
                        on_token=lambda t: print(printer.push(t), end="", flush=True), **kwargs)
@@ -39,15 +48,41 @@ def generate_streaming(model, tok, prompt_ids, max_new_tokens: int, bar: str | N
     return res
 
 
+class _IdPrinter:
+    """What streams to stdout when the model has no tokenizer (a checkpoint): the token ids."""
+
+    def push(self, token: int) -> str:
+        return f" {token}"
+
+    def flush(self) -> str:
+        return ""
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(prompt)
 
 
+def prompt_ids_of(args, model, tok, chat: bool) -> list[int]:
+    """The prompt's token ids: ``--prompt-ids`` checked against the vocabulary, or ``--prompt`` encoded
+    (in the chat template if ``chat``)."""
+    if args.prompt_ids is not None:
+        return check_ids(args.prompt_ids, model.config.vocab_size, "--prompt-ids")
+    require_tokenizer(tok, "--prompt", "--prompt-ids 1,2,3 (token ids) instead")
+    return encode_prompt(tok, args.prompt, chat)
+
+
+def cache_bytes_per_token(model, cache: str, block_size: int) -> int:
+    """``bytes_per_token()`` of the cache ``generate`` builds for ``model``: a 1-token cache of that kind."""
+    from minikv.generate import make_cache
+
+    return int(make_cache(cache, model, max_len=1, block_size=block_size).bytes_per_token())
+
+
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with SmolLM2, with or without a KV cache")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    add_prompt_flags(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's ChatML chat template")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-k/top-p)")
@@ -67,11 +102,16 @@ def _run_generate(args) -> int:
 
     sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
+    if args.chat and args.prompt_ids is not None:  # refused before the model loads
+        raise InvalidInputError("--chat wraps --prompt text in the chat template; with --prompt-ids give the "
+                                "ids of the whole templated prompt and drop --chat")
     model, tok = load_model_arg(args.model)
-    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
+    prompt_ids = prompt_ids_of(args, model, tok, args.chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
     if not args.chat:
-        print(args.prompt, end="", flush=True)
+        echo = args.prompt if args.prompt_ids is None else (
+            tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
+        print(echo, end="", flush=True)
     res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
                              block_size=args.block_size)
     print(f"[{args.cache} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
@@ -79,15 +119,16 @@ def _run_generate(args) -> int:
           file=sys.stderr)
     if args.json:
         print_json({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids,
-                    "text": tok.decode(res.token_ids, skip_special_tokens=True),
+                    "text": None if tok is None else tok.decode(res.token_ids, skip_special_tokens=True),
                     "prefill_s": res.prefill_s, "decode_tokens_per_s": res.decode_tokens_per_s,
-                    "cache": args.cache, "finish_reason": res.finish_reason})
+                    "cache": args.cache, "finish_reason": res.finish_reason,
+                    "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size)})
     return 0
 
 
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="generate with SmolLM2 twice, without and with the KV cache; compare speeds")
-    p.add_argument("--prompt", default="Explain in one paragraph why the sky is blue.")
+    add_prompt_flags(p, default="Explain in one paragraph why the sky is blue.")
     p.add_argument("--max-new-tokens", type=int, default=64)
     add_model_flag(p)
     p.set_defaults(func=_run_demo)
@@ -98,9 +139,11 @@ def _run_demo(args) -> int:
     from minikv.generate import GREEDY, check_context
 
     model, tok = load_model_arg(args.model)
-    prompt_ids = encode_prompt(tok, args.prompt, chat=True)
+    chat = args.prompt_ids is None  # ids are fed as given
+    prompt_ids = prompt_ids_of(args, model, tok, chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
-    print(f"SmolLM2-135M, greedy, prompt of {len(prompt_ids)} tokens (chat template), "
+    name = "SmolLM2-135M" if tok is not None else f"checkpoint {args.model}"
+    print(f"{name}, greedy, prompt of {len(prompt_ids)} tokens{' (chat template)' if chat else ''}, "
           f"up to {args.max_new_tokens} new tokens\n")
     runs = {}
     for cache in ("none", "contiguous"):

@@ -43,6 +43,27 @@ _PRESET_LIST = (
                 "DeepSeek-AI 2024, 'DeepSeek LLM', arXiv:2401.02954, Table 2. "
                 "Note: 30 layers, not the 32 some articles assume")),
     ModelShape(
+        name="deepseek-v2", num_layers=60, hidden_size=5120, num_heads=128, num_kv_heads=128, head_dim=128,
+        intermediate_size=12288, vocab_size=102400, kv_lora_rank=512, rope_dim=64, q_lora_rank=1536,
+        v_head_dim=128, num_experts=160, experts_per_token=6, shared_experts=2, moe_intermediate_size=1536,
+        first_dense_layers=1, max_context=163840, published_params=236_000_000_000,
+        source=("https://huggingface.co/deepseek-ai/DeepSeek-V2/blob/main/config.json and DeepSeek-V3's "
+                "inference/configs/config_236B.json (60 layers, hidden 5120, 128 heads, kv_lora_rank 512, "
+                "qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, q_lora_rank 1536, 160 routed + 2 "
+                "shared experts of width 1536, 6 active, first layer dense of width 12288, vocab 102400, "
+                "max_position_embeddings 163840); DeepSeek-AI 2024, 'DeepSeek-V2', arXiv:2405.04434 "
+                "(236B total, 21B active, 128k context)")),
+    ModelShape(
+        name="deepseek-v2-lite", num_layers=27, hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+        intermediate_size=10944, vocab_size=102400, kv_lora_rank=512, rope_dim=64, q_lora_rank=0,
+        v_head_dim=128, num_experts=64, experts_per_token=6, shared_experts=2, moe_intermediate_size=1408,
+        first_dense_layers=1, max_context=32768, published_params=15_700_000_000,
+        source=("https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json and DeepSeek-V3's "
+                "inference/configs/config_16B.json (27 layers, hidden 2048, 16 heads, kv_lora_rank 512, "
+                "qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, no query compression "
+                "(q_lora_rank null), 64 routed + 2 shared experts of width 1408, 6 active, first layer dense "
+                "of width 10944, vocab 102400); the model card: 15.7B total, 2.4B active, 32k context")),
+    ModelShape(
         name="deepseek-v3", num_layers=61, hidden_size=7168, num_heads=128, num_kv_heads=128, head_dim=128,
         intermediate_size=18432, vocab_size=129280, kv_lora_rank=512, rope_dim=64, q_lora_rank=1536,
         v_head_dim=128, num_experts=256, experts_per_token=8, shared_experts=1, moe_intermediate_size=2048,
