@@ -164,8 +164,7 @@ def _deepseek_config(cfg: dict) -> ModelConfig:
                     qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
                     q_lora_rank=None if q_lora is None else int(q_lora),
                     rope_interleave=bool(cfg.get("rope_interleave", True)), yarn=yarn)
-    heads = int(cfg["num_attention_heads"])
-    return ModelConfig(**_common(cfg, num_kv_heads=heads, head_dim=mla.qk_head_dim, rope_theta=theta, mla=mla))
+    return ModelConfig(**_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, rope_theta=theta, mla=mla))
 
 
 # --- tensors -> weights --------------------------------------------------------------------------------

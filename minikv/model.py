@@ -40,8 +40,10 @@ class ModelConfig:
     The two are the same model up to a permutation of the Q/K weight rows
     (``minikv.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
 
-    mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads is
-    num_heads (every head has its own decompressed K/V) and head_dim is ``mla.qk_head_dim``.
+    mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads and
+    head_dim describe what is cached, the absorbed form's geometry: MQA over one latent "head"
+    of width R + P, so num_kv_heads = 1 and head_dim = ``mla.latent_dim`` (the per-head
+    query/key width Dn + P is ``mla.qk_head_dim``). Caches and the scheduler check it unchanged.
     """
 
     vocab_size: int
@@ -67,9 +69,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.mla is not None:
-            if (self.num_kv_heads, self.head_dim) != (self.num_heads, self.mla.qk_head_dim):
-                raise ConfigError(f"an MLA model has num_kv_heads = num_heads and head_dim = qk_nope + qk_rope = "
-                                  f"{(self.num_heads, self.mla.qk_head_dim)}; got {(self.num_kv_heads, self.head_dim)}")
+            if (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+                raise ConfigError(f"an MLA model caches one latent head: num_kv_heads = 1, head_dim = kv_lora_rank + "
+                                  f"qk_rope_head_dim = {self.mla.latent_dim}; got {(self.num_kv_heads, self.head_dim)}")
         elif self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
         check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
@@ -339,11 +341,6 @@ class Model:
             return {"num_layers": c.num_layers, "num_heads": c.num_heads, "mla": c.mla, "up": self._up}
         return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
-    def cache_geometry(self) -> tuple[int, int, int]:
-        """(layers, KV heads, head_dim) a cache must report: (L, 1, R + P) for MLA's one latent "head"."""
-        c = self.config
-        return (c.num_layers, 1, c.mla.latent_dim) if c.mla else (c.num_layers, c.num_kv_heads, c.head_dim)
-
     def check_tokens(self, tokens: Sequence) -> list[np.ndarray]:
         """Validate a list of per-sequence token id lists; return them as int64 arrays."""
         if isinstance(tokens, np.ndarray) and tokens.ndim == 1:
@@ -376,12 +373,11 @@ class Model:
         seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
         if len(seq_ids) != len(toks):
             raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
-        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
-        if got != self.cache_geometry() or getattr(cache, "mla", None) != c.mla:
-            kind = f"a latent cache for {c.mla}" if c.mla else "a K/V cache"
-            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)={got} does not match the model's "
-                              f"{self.cache_geometry()} (it needs {kind}); build it with model.new_cache_args() "
-                              "or minikv.generate.make_cache")
+        got, want = (cache.num_layers, cache.num_kv_heads, cache.head_dim), (c.num_layers, c.num_kv_heads, c.head_dim)
+        if got != want or getattr(cache, "mla", None) != c.mla:
+            kind = "a latent cache (minikv.mla) of its MLAConfig" if c.mla else "a K/V cache"
+            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)={got} does not match the model's {want} "
+                              f"(it needs {kind}); build it with model.new_cache_args() or minikv.generate.make_cache")
         return toks, seq_ids
 
     def check_positions(self, positions: np.ndarray) -> None:

@@ -57,7 +57,7 @@ def random_mla_model(mla: MLAConfig | None = None, num_layers: int = 2, hidden_s
     """A tiny DeepSeek-style MLA model (dense SwiGLU MLP) with random weights; ``mla`` default ``default_mla()``."""
     m = default_mla() if mla is None else mla
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_heads, head_dim=m.qk_head_dim,
+                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=1, head_dim=m.latent_dim,
                       rope_theta=rope_theta, max_position=max_position, eos_token_id=vocab_size - 1, mla=m)
     r = _Draw(seed)
     h, i, hq, qk = hidden_size, intermediate_size, num_heads, m.qk_head_dim
