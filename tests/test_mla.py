@@ -229,3 +229,21 @@ def test_misuse_raises_typed_errors():
         LatentContiguousKVCache(2, 3, model.config.mla, [], max_seqs=1, max_len=4)
     with pytest.raises(ConfigError, match="even"):
         MLAConfig(8, 4, 3, 4)
+
+
+def test_decode_never_decompresses_and_prefill_does(monkeypatch):
+    """form="auto": a decode step is absorbed only (no per-head K/V is built); a prefill expands its own tokens."""
+    import minikv.mla as mla
+
+    model = random_mla_model(dtype=np.float64, seed=6)
+    cache = make_cache("paged", model, max_len=12, block_size=BS)
+    cache.add_sequence(0)
+    calls = []
+    real = mla.expand
+    monkeypatch.setattr(mla, "expand", lambda lat, up: calls.append(lat.shape[0]) or real(lat, up))
+    model.forward([[1, 2, 3, 4, 5]], cache)
+    assert calls and sum(calls) == 5 * model.config.num_layers  # each layer decompresses the 5 new tokens once
+    calls.clear()
+    for tok in (6, 7, 8):
+        model.forward([[tok]], cache)
+    assert calls == []
