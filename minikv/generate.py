@@ -54,22 +54,48 @@ def _paged_blocks(max_len: int, max_seqs: int, block_size) -> int:
     return max_seqs * -(-max_len // _paged_block_size(block_size))
 
 
+# An MLA model's ``new_cache_args`` carry its ``MLAConfig`` ("mla"): each kind then builds its
+# latent twin (``minikv.mla``), which stores [c_kv ; k_pe] per token instead of K and V.
+
+def _build_none(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+    from minikv.mla import LatentNoCache
+
+    return (LatentNoCache if "mla" in args else NoCache)(**args, dtype=dtype)
+
+
+def _build_contiguous(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+    from minikv.mla import LatentContiguousKVCache
+
+    kind = LatentContiguousKVCache if "mla" in args else ContiguousKVCache
+    return kind(**args, max_seqs=max_seqs, max_len=max_len, dtype=dtype)
+
+
 def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+    from minikv.mla import LatentPagedKVCache
     from minikv.paged import PagedKVCache
 
     num_blocks = _paged_blocks(max_len, max_seqs, block_size)
-    return PagedKVCache(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    kind = LatentPagedKVCache if "mla" in args else PagedKVCache
+    return kind(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+def bytes_per_token(args: dict, dtype) -> int:
+    """Cache bytes per token for ``model.new_cache_args()``: 2 L Hkv D, or L (R + P) for MLA, x itemsize."""
+    from minikv.mla import latent_bytes_per_token
+
+    if "mla" in args:
+        return latent_bytes_per_token(args["mla"], args["num_layers"], dtype)
+    return 2 * args["num_layers"] * args["num_kv_heads"] * args["head_dim"] * np.dtype(dtype).itemsize
 
 
 CACHE_KINDS: dict[str, CacheKind] = {
     "none": CacheKind(
         slots=lambda max_len, max_seqs, block_size: 0,
-        build=lambda args, max_len, max_seqs, block_size, dtype: NoCache(**args, dtype=dtype),
+        build=_build_none,
         recompute=True, description="recompute K/V for the whole sequence every step (step 1)"),
     "contiguous": CacheKind(
         slots=lambda max_len, max_seqs, block_size: max_seqs * max_len,
-        build=lambda args, max_len, max_seqs, block_size, dtype: ContiguousKVCache(
-            **args, max_seqs=max_seqs, max_len=max_len, dtype=dtype),
+        build=_build_contiguous,
         recompute=False, description="one [max_seqs, max_len] slab per layer, reserved up front (step 2)"),
     "paged": CacheKind(
         slots=lambda max_len, max_seqs, block_size: _paged_blocks(max_len, max_seqs, block_size) * block_size,
@@ -105,7 +131,8 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
                dtype=None) -> KVCacheBase:
     """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
 
-    Refuses (ConfigError) a cache whose K and V would not fit in the memory
+    An MLA model gets the latent cache of that kind (``minikv.mla``). Refuses (ConfigError) a
+    cache whose K and V would not fit in the memory
     available now, before allocating anything.
     """
     spec = cache_kind(kind)
@@ -113,7 +140,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
     dtype = model.dtype if dtype is None else dtype
     args = model.new_cache_args()
-    per_token = 2 * args["num_layers"] * args["num_kv_heads"] * args["head_dim"] * np.dtype(dtype).itemsize
+    per_token = bytes_per_token(args, dtype)
     need = spec.slots(max_len, max_seqs, block_size) * per_token
     have = available_memory_bytes()
     if have is not None and need > have:

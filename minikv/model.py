@@ -10,6 +10,9 @@ Each decoder layer is two residual lines (pre-norm, as in nanoGPT)::
     x = x + attention_block(x, ...)   # RMSNorm -> Q/K/V -> RoPE -> cache -> attention -> Wo
     x = x + mlp_block(x, ...)         # RMSNorm -> SwiGLU -> W_down
 
+A DeepSeek-V2/V3 model (``ModelConfig.mla`` set) swaps the first line's block for
+``mla_attention_block``: low-rank Q, a cached latent, decoupled RoPE (see ``minikv.mla``).
+
 Shapes: tokens of all sequences in a forward pass are packed along one axis N
 (no padding). H = hidden size, Hq/Hkv = query/KV heads, D = head_dim,
 I = MLP width, V = vocabulary.
@@ -23,8 +26,8 @@ from typing import Sequence
 import numpy as np
 
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_int
-
-ROPE_LAYOUTS = ("interleaved", "half")
+from minikv.layers import ROPE_LAYOUTS, apply_rope, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
+from minikv.mla import LatentUp, MLAConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class ModelConfig:
       * "half": pairs are (i, i + D/2) — transformers' ``rotate_half``.
     The two are the same model up to a permutation of the Q/K weight rows
     (``minikv.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
+
+    mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads and
+    head_dim describe what is cached, the absorbed form's geometry: MQA over one latent "head"
+    of width R + P, so num_kv_heads = 1 and head_dim = ``mla.latent_dim`` (the per-head
+    query/key width Dn + P is ``mla.qk_head_dim``). Caches and the scheduler check it unchanged.
     """
 
     vocab_size: int
@@ -52,6 +60,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,7 +68,11 @@ class ModelConfig:
             check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
+        if self.mla is not None:
+            if (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+                raise ConfigError(f"an MLA model caches one latent head: num_kv_heads = 1, head_dim = kv_lora_rank + "
+                                  f"qk_rope_head_dim = {self.mla.latent_dim}; got {(self.num_kv_heads, self.head_dim)}")
+        elif self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
         check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
 
@@ -84,6 +97,32 @@ class LayerWeights:
 
 
 @dataclass
+class MLALayerWeights:
+    """One MLA decoder layer (transformers' DeepseekV3 names on the right), matrices [in, out].
+
+    The query comes from ``wq`` (q_lora_rank None) or from ``wq_a`` -> RMSNorm ``q_a_norm`` -> ``wq_b``.
+    Biases (``attention_bias``) exist only where DeepSeek has them: q_a, kv_a and o.
+    """
+
+    attn_norm: np.ndarray               # [H]                 input_layernorm
+    wkv_a: np.ndarray                   # [H, R + P]          kv_a_proj_with_mqa
+    kv_a_norm: np.ndarray               # [R]                 kv_a_layernorm
+    wkv_b: np.ndarray                   # [R, Hq*(Dn + Dv)]   kv_b_proj
+    wo: np.ndarray                      # [Hq*Dv, H]          o_proj
+    mlp_norm: np.ndarray                # [H]                 post_attention_layernorm
+    w_gate: np.ndarray                  # [H, I]
+    w_up: np.ndarray                    # [H, I]
+    w_down: np.ndarray                  # [I, H]
+    wq: np.ndarray | None = None        # [H, Hq*(Dn + P)]    q_proj
+    wq_a: np.ndarray | None = None      # [H, Rq]             q_a_proj
+    q_a_norm: np.ndarray | None = None  # [Rq]                q_a_layernorm
+    wq_b: np.ndarray | None = None      # [Rq, Hq*(Dn + P)]   q_b_proj
+    bq_a: np.ndarray | None = None      # [Rq]
+    bkv_a: np.ndarray | None = None     # [R + P]
+    bo: np.ndarray | None = None        # [H]
+
+
+@dataclass
 class ModelWeights:
     embed: np.ndarray                   # [V, H]
     layers: list[LayerWeights]
@@ -94,15 +133,25 @@ class ModelWeights:
         cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)  # noqa: E731
         return ModelWeights(
             embed=cast(self.embed),
-            layers=[LayerWeights(**{k: cast(v) for k, v in vars(lw).items()}) for lw in self.layers],
+            layers=[type(lw)(**{k: cast(v) for k, v in vars(lw).items()}) for lw in self.layers],
             final_norm=cast(self.final_norm),
             lm_head=cast(self.lm_head),
         )
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
-    """The shape every weight must have under ``cfg`` (used to validate loaded files)."""
+    """The shape every layer weight must have under ``cfg`` (used to validate loaded files);
+    for MLA, optional weights absent under ``cfg`` map to None and must be None."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if cfg.mla is not None:
+        m, hq = cfg.mla, cfg.num_heads
+        rq, q_out = m.q_lora_rank, hq * m.qk_head_dim
+        low_rank = rq is not None
+        return {"attn_norm": (h,), "wkv_a": (h, m.latent_dim), "kv_a_norm": (m.kv_lora_rank,),
+                "wkv_b": (m.kv_lora_rank, hq * (m.qk_nope_head_dim + m.v_head_dim)), "wo": (hq * m.v_head_dim, h),
+                "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
+                "wq": None if low_rank else (h, q_out), "wq_a": (h, rq) if low_rank else None,
+                "q_a_norm": (rq,) if low_rank else None, "wq_b": (rq, q_out) if low_rank else None}
     return {
         "attn_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
         "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "mlp_norm": (h,),
@@ -118,60 +167,20 @@ def check_weights(cfg: ModelConfig, w: ModelWeights) -> None:
     if len(w.layers) != cfg.num_layers:
         raise ShapeError(f"{len(w.layers)} layers of weights for num_layers={cfg.num_layers}")
     want = expected_shapes(cfg)
+    kind = LayerWeights if cfg.mla is None else MLALayerWeights
+    biases = {"bq_a": (cfg.mla.q_lora_rank,), "bkv_a": (cfg.mla.latent_dim,), "bo": (h,)} if cfg.mla else {}
     for li, lw in enumerate(w.layers):
-        for name, shape in want.items():
-            got = getattr(lw, name).shape
-            if got != shape:
+        if not isinstance(lw, kind):
+            raise ShapeError(f"layers[{li}] is a {type(lw).__name__}; this config needs {kind.__name__}")
+        for name, shape in {**want, **biases}.items():
+            got = getattr(lw, name)
+            got = None if got is None else got.shape
+            if got != shape and not (name in biases and got is None):
                 raise ShapeError(f"layers[{li}].{name}.shape={got}, expected {shape}")
     if w.final_norm.shape != (h,):
         raise ShapeError(f"final_norm.shape={w.final_norm.shape}, expected {(h,)}")
     if w.lm_head is not None and w.lm_head.shape != (v, h):
         raise ShapeError(f"lm_head.shape={w.lm_head.shape}, expected {(v, h)}")
-
-
-# --- the building blocks -------------------------------------------------------------
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x: [N, H] -> x / sqrt(mean(x^2) + eps) * weight."""
-    mean_sq = (x * x).sum(axis=-1, keepdims=True) * x.dtype.type(1 / x.shape[-1])  # [N, 1]
-    return x * (weight / np.sqrt(mean_sq + x.dtype.type(eps)))  # scale the weight first: one [N, H] pass fewer
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp."""
-    half = x.dtype.type(0.5)
-    return x * (half + half * np.tanh(half * x))
-
-
-def rope_tables(head_dim: int, max_position: int, theta: float, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: [max_position, D/2]. Pair i rotates by angle ``pos * theta^(-2i/D)``.
-
-    Angles are computed in float64 and rounded once, so a float32 run and a
-    float64 run differ only by that rounding. (transformers computes them in
-    float32; on SmolLM2 the two agree to ~5e-5 in the logits, see
-    tests/test_reference.py, but float32 angles lose precision at large positions.)
-    """
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, layout: str) -> np.ndarray:
-    """Rotate pairs of dims of x: [N, heads, D] by per-token angles; cos/sin: [N, D/2].
-
-    For a pair (a, b) at angle t: (a, b) -> (a cos t - b sin t, b cos t + a sin t).
-    """
-    check_choice("rope layout", layout, ROPE_LAYOUTS)
-    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    if layout == "half":
-        half = x.shape[-1] // 2
-        a, b = x[..., :half], x[..., half:]
-        return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-    # "interleaved": adjacent pairs (a, b) are the real and imaginary parts of z = a + ib, and the
-    # rotation is one complex multiplication: z * (cos t + i sin t). Viewing the floats as complex
-    # numbers does it in one pass instead of strided even/odd slices (~4x faster here).
-    z = np.ascontiguousarray(x).view(np.result_type(x.dtype, np.complex64))  # [N, heads, D/2]
-    return (z * (c + 1j * s)).view(x.dtype)
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -216,6 +225,64 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     return attn.reshape(n, hq * d) @ lw.wo_t.T
 
 
+@dataclass
+class _MLALayer:
+    """An MLA layer prepared like ``_FusedLayer``: the query's first projection (``q_proj`` or
+    ``q_a_proj``) and ``kv_a_proj_with_mqa`` fused into ``wa_t``, everything [out, in]."""
+
+    attn_norm: np.ndarray
+    wa_t: np.ndarray                 # [Hq*(Dn+P) + W, H] (plain q) or [Rq + W, H] (low-rank q)
+    ba: np.ndarray | None            # its bias (zeros where DeepSeek has none), or None
+    q_a_norm: np.ndarray | None      # [Rq]
+    wq_b_t: np.ndarray | None        # [Hq*(Dn+P), Rq]
+    kv_a_norm: np.ndarray            # [R]
+    wo_t: np.ndarray                 # [H, Hq*Dv]
+    bo: np.ndarray | None            # [H]
+    mlp_norm: np.ndarray
+    w_gate_up_t: np.ndarray
+    w_down_t: np.ndarray
+
+    @classmethod
+    def prepare(cls, lw: MLALayerWeights) -> "_MLALayer":
+        t = np.ascontiguousarray
+        first = lw.wq if lw.wq is not None else lw.wq_a
+        ba = None
+        if lw.bq_a is not None or lw.bkv_a is not None:
+            zeros = np.zeros_like
+            ba = np.concatenate([zeros(first[0]) if lw.bq_a is None else lw.bq_a,
+                                 zeros(lw.wkv_a[0]) if lw.bkv_a is None else lw.bkv_a])
+        return cls(lw.attn_norm, t(np.concatenate([first, lw.wkv_a], axis=1).T), ba, lw.q_a_norm,
+                   None if lw.wq_b is None else t(lw.wq_b.T), lw.kv_a_norm, t(lw.wo.T), lw.bo, lw.mlp_norm,
+                   t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T))
+
+
+def mla_attention_block(x: np.ndarray, lw: _MLALayer, cfg: ModelConfig, cache, li: int,
+                        cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Layer ``li``'s MLA attention branch (DeepSeek-V2/V3), the same contract as ``attention_block``.
+
+    x: [N, H]; cos, sin: [N, P/2]. The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]``
+    ([N, 1, W]: normalised c_kv, rotated k_pe) and attends for the queries ``[q_nope ; RoPE(q_pe)]``
+    ([N, Hq, Dn + P]), returning [N, Hq, Dv]; returns [N, H] = that @ Wo (+ bias).
+    """
+    m, n, hq = cfg.mla, x.shape[0], cfg.num_heads
+    dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim
+    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
+    a = h @ lw.wa_t.T
+    if lw.ba is not None:
+        a = a + lw.ba
+    q, kv_a = a[:, :-w], a[:, -w:]
+    if lw.wq_b_t is not None:  # the low-rank query path: q_a -> RMSNorm -> q_b
+        q = rms_norm(q, lw.q_a_norm, m.latent_eps) @ lw.wq_b_t.T
+    q = q.reshape(n, hq, m.qk_head_dim)
+    c_kv = rms_norm(kv_a[:, :r], lw.kv_a_norm, m.latent_eps)
+    # decoupled RoPE: only the queries' last P dims and the one shared k_pe rotate (in one go)
+    rot = apply_rope(np.concatenate([q[:, :, dn:], kv_a[:, None, r:]], axis=1), cos, sin, m.rope_layout)
+    cache.write(li, np.concatenate([c_kv, rot[:, hq]], axis=-1)[:, None], None)
+    attn = cache.attend(li, np.concatenate([q[:, :, :dn], rot[:, :hq]], axis=-1))  # [N, Hq, Dv]
+    out = attn.reshape(n, hq * m.v_head_dim) @ lw.wo_t.T
+    return out if lw.bo is None else out + lw.bo
+
+
 def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     """A layer's SwiGLU MLP branch: x [N, H] -> [N, H] = (silu(h Wg) * h Wu) Wd, h = RMSNorm(x)."""
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
@@ -226,7 +293,7 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
 
 @dataclass
 class Model:
-    """A Llama-style decoder that runs on any KV cache.
+    """A Llama-style (GQA) or DeepSeek-style (MLA, ``config.mla``) decoder that runs on any KV cache.
 
     ``dtype`` is the compute dtype: float32 (default) or float64 for exactness
     proofs. Weights are cast once at construction.
@@ -247,17 +314,31 @@ class Model:
         self.lm_head = w.embed if w.lm_head is None else w.lm_head
         self.final_norm = w.final_norm
         t = np.ascontiguousarray
+        c = self.config
+        if c.mla is not None:
+            self._layers = [_MLALayer.prepare(lw) for lw in w.layers]
+            self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w.layers]
+            self._attention = mla_attention_block
+            self.cos, self.sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, self.dtype,
+                                             yarn=c.mla.yarn)
+            return
+        self._attention = attention_block
         self._layers = [
             _FusedLayer(lw.attn_norm, t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1).T), t(lw.wo.T), lw.mlp_norm,
                         t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T))
             for lw in w.layers
         ]
-        c = self.config
         self.cos, self.sin = rope_tables(c.head_dim, c.max_position, c.rope_theta, self.dtype)
 
     def new_cache_args(self) -> dict:
-        """The cache geometry this model needs: ``Cache(**model.new_cache_args(), ...)``."""
+        """The cache geometry this model needs: ``Cache(**model.new_cache_args(), ...)``.
+
+        An MLA model's caches are latent caches (``minikv.mla``): they get the heads, the
+        ``MLAConfig`` and each layer's ``LatentUp`` (W_UK, W_UV) instead of Hkv and D.
+        """
         c = self.config
+        if c.mla is not None:
+            return {"num_layers": c.num_layers, "num_heads": c.num_heads, "mla": c.mla, "up": self._up}
         return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
     def check_tokens(self, tokens: Sequence) -> list[np.ndarray]:
@@ -292,10 +373,11 @@ class Model:
         seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
         if len(seq_ids) != len(toks):
             raise ShapeError(f"{len(seq_ids)} seq_ids for {len(toks)} token lists; give one id per sequence")
-        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
-            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)="
-                              f"{(cache.num_layers, cache.num_kv_heads, cache.head_dim)} does not match the model's "
-                              f"{(c.num_layers, c.num_kv_heads, c.head_dim)}; build it with model.new_cache_args()")
+        got, want = (cache.num_layers, cache.num_kv_heads, cache.head_dim), (c.num_layers, c.num_kv_heads, c.head_dim)
+        if got != want or getattr(cache, "mla", None) != c.mla:
+            kind = "a latent cache (minikv.mla) of its MLAConfig" if c.mla else "a K/V cache"
+            raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)={got} does not match the model's {want} "
+                              f"(it needs {kind}); build it with model.new_cache_args() or minikv.generate.make_cache")
         return toks, seq_ids
 
     def check_positions(self, positions: np.ndarray) -> None:
@@ -322,7 +404,7 @@ class Model:
             cos, sin = self.cos[positions], self.sin[positions]  # [N, D/2]
             x = self.embed[ids]  # [N, H]: the residual stream; each layer adds its two branches to it
             for li, lw in enumerate(self._layers):
-                x = x + attention_block(x, lw, c, cache, li, cos, sin)
+                x = x + self._attention(x, lw, c, cache, li, cos, sin)  # GQA or MLA: fixed per model
                 x = x + mlp_block(x, lw, c)
             if not all_logits:
                 last = np.cumsum([t.size for t in toks]) - 1
@@ -334,36 +416,15 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Uncached logits of every position of one sequence: [T, V]. The reference for all caches."""
         from minikv.kv_cache import NoCache
+        from minikv.mla import LatentNoCache
 
-        return self.forward([ids], NoCache(**self.new_cache_args(), dtype=self.dtype), all_logits=True)
+        kind = NoCache if self.config.mla is None else LatentNoCache
+        return self.forward([ids], kind(**self.new_cache_args(), dtype=self.dtype), all_logits=True)
 
 
-def random_model(num_layers: int = 2, hidden_size: int = 48, num_heads: int = 6, num_kv_heads: int = 2,
-                 head_dim: int = 8, intermediate_size: int = 80, vocab_size: int = 101,
-                 rope_layout: str = "half", rope_theta: float = 10000.0, max_position: int = 512,
-                 seed: int = 0, dtype=np.float32) -> Model:
-    """A tiny model with random weights, for fast tests (odd sizes welcome).
+def random_model(*args, **kwargs) -> Model:
+    """A tiny random Llama-style model: ``minikv.random_models.random_model`` (imported lazily:
+    that module builds on this one)."""
+    from minikv.random_models import random_model as build
 
-    Weights are drawn with std 1/sqrt(fan_in) so activations stay O(1) through
-    the layers; the (tied) embedding too, so the logits come out O(1) and the
-    next-token distribution is spread out rather than one-hot.
-    """
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      rope_theta=rope_theta, rope_layout=rope_layout, max_position=max_position,
-                      eos_token_id=vocab_size - 1)
-    rng = np.random.default_rng(seed)
-
-    def mat(fan_in, fan_out):
-        return rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n)
-
-    h, i, d = hidden_size, intermediate_size, head_dim
-    layers = [LayerWeights(attn_norm=norm(h), wq=mat(h, num_heads * d), wk=mat(h, num_kv_heads * d),
-                           wv=mat(h, num_kv_heads * d), wo=mat(num_heads * d, h), mlp_norm=norm(h),
-                           w_gate=mat(h, i), w_up=mat(h, i), w_down=mat(i, h))
-              for _ in range(num_layers)]
-    weights = ModelWeights(embed=rng.standard_normal((vocab_size, h)) / np.sqrt(h), layers=layers, final_norm=norm(h))
-    return Model(cfg, weights, dtype=dtype)
+    return build(*args, **kwargs)

@@ -1,0 +1,242 @@
+"""Hugging Face checkpoint directories: ``config.json`` + ``*.safetensors`` -> a ``minikv.model.Model``.
+
+    model = load_checkpoint("path/to/dir")            # float32; dtype=np.float64 for exactness proofs
+
+Two architectures (``config.json``'s ``architectures[0]``):
+
+* ``LlamaForCausalLM``: GQA. transformers rotates with ``rotate_half``, so the weights are
+  used as they are with ``rope_layout="half"`` (no Q/K permutation, unlike GGUF files).
+  Biases (``attention_bias``/``mlp_bias``) and scaled RoPE types are refused.
+* ``DeepseekV3ForCausalLM``: MLA (``minikv.mla``), dense layers only. ``q_lora_rank`` null or
+  set, ``rope_interleave``, YaRN in ``rope_parameters`` (or the older ``rope_scaling``) and
+  ``attention_bias`` are honoured. A layer that uses mixture-of-experts is refused: the KV cache
+  does not depend on the MLP, and loading MoE layers is out of scope here.
+
+Tensors may sit in one ``model.safetensors`` or in shards listed by
+``model.safetensors.index.json``. They are read with ``safetensors.safe_open(...,
+framework="np")``; NumPy has no bfloat16, so BF16 tensors are read from the file's own
+header and converted through ``ml_dtypes``. Everything becomes float32 (then the model's
+dtype). torch's ``Linear`` stores [out, in]; minikv computes ``x @ W`` with [in, out], so
+every projection is transposed once here.
+
+A missing directory or ``config.json`` raises ``ModelFileNotFoundError``; an unknown
+architecture, a MoE layer, a missing tensor or a wrong shape raises ``ModelFormatError``
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from minikv.errors import ModelFileNotFoundError, ModelFormatError
+from minikv.layers import YarnConfig
+from minikv.mla import MLAConfig
+from minikv.model import LayerWeights, MLALayerWeights, Model, ModelConfig, ModelWeights
+
+SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
+
+
+class _Tensors:
+    """The named tensors of a checkpoint directory, read on demand: ``get(name, shape)`` -> float32."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise ModelFileNotFoundError(f"{path} has a config.json but no *.safetensors weights; "
+                                             "save the model with save_pretrained(..., safe_serialization=True)")
+            self.file_of = {}
+            for f in files:
+                self.file_of.update({name: f for name in _keys(f)})
+        for f in sorted(set(self.file_of.values())):
+            if not f.is_file():
+                raise ModelFileNotFoundError(f"{f.name}, a shard named by {index.name}, is missing from {path}")
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, shape: tuple) -> np.ndarray:
+        """The tensor ``name`` as float32, checked to be ``shape`` (torch's layout)."""
+        if name not in self.file_of:
+            raise ModelFormatError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        a = _read(self.file_of[name], name)
+        if a.shape != tuple(shape):
+            raise ModelFormatError(f"tensor {name!r} has shape {list(a.shape)}, expected {list(shape)} "
+                                   f"from config.json (checkpoint {self.path})")
+        return a
+
+    def linear(self, name: str, n_in: int, n_out: int) -> np.ndarray:
+        """A torch ``Linear`` weight [out, in], returned [in, out] for ``x @ W``."""
+        return np.ascontiguousarray(self.get(name, (n_out, n_in)).T)
+
+
+def _keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="np") as f:
+        return list(f.keys())
+
+
+def _read(file: Path, name: str) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="np") as f:
+        if f.get_slice(name).get_dtype() != "BF16":
+            return np.asarray(f.get_tensor(name), dtype=np.float32)
+    # NumPy has no bfloat16: find the tensor's bytes through the file's header (u64 length + JSON)
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        entry = json.loads(fh.read(n))[name]
+        start, end = entry["data_offsets"]
+        fh.seek(8 + n + start)
+        raw = np.frombuffer(fh.read(end - start), dtype=ml_dtypes.bfloat16)
+    return raw.astype(np.float32).reshape(entry["shape"])
+
+
+# --- config.json -> ModelConfig ---------------------------------------------------------------------
+
+def _rope(cfg: dict) -> tuple[float, YarnConfig | None]:
+    """(rope_theta, YaRN or None) from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older files)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ModelFormatError(f"rope_type {kind!r} is not supported; minikv reads 'default' and 'yarn'")
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    original = int(cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = rp.get("factor") or max_pos / original  # transformers' fallback when factor is null
+    return theta, YarnConfig(factor=float(factor), original_max_position=original,
+                             beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                             mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
+                             attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)))
+
+
+def _common(cfg: dict, **extra) -> dict:
+    """The ModelConfig fields every architecture spells the same way."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelFormatError(f"hidden_act={cfg['hidden_act']!r}; minikv's MLP is SwiGLU (silu)")
+    eos = cfg.get("eos_token_id")
+    return dict(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=int(cfg["num_attention_heads"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position=int(cfg.get("max_position_embeddings", 4096)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=eos[0] if isinstance(eos, list) else eos, **extra)
+
+
+def _llama_config(cfg: dict) -> ModelConfig:
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ModelFormatError(f"{flag}=true: minikv's Llama blocks have no biases; use a checkpoint without them")
+    theta, yarn = _rope(cfg)
+    if yarn is not None:
+        raise ModelFormatError("rope_type 'yarn' is read for DeepseekV3ForCausalLM only; this Llama uses it")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+    return ModelConfig(**_common(cfg, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                                 head_dim=int(head_dim), rope_theta=theta, rope_layout="half"))
+
+
+def _deepseek_config(cfg: dict) -> ModelConfig:
+    layers, experts = int(cfg["num_hidden_layers"]), cfg.get("n_routed_experts")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    if experts and first_dense < layers:
+        raise ModelFormatError(
+            f"layer {first_dense} uses mixture-of-experts (first_k_dense_replace={first_dense} < num_hidden_layers="
+            f"{layers}, n_routed_experts={experts}); the KV cache does not depend on the MLP and loading MoE layers "
+            "is out of scope: use a dense checkpoint (first_k_dense_replace >= num_hidden_layers)")
+    theta, yarn = _rope(cfg)
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                    qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                    q_lora_rank=None if q_lora is None else int(q_lora),
+                    rope_interleave=bool(cfg.get("rope_interleave", True)), yarn=yarn)
+    return ModelConfig(**_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, rope_theta=theta, mla=mla))
+
+
+# --- tensors -> weights --------------------------------------------------------------------------------
+
+def _mlp(t: _Tensors, p: str, c: ModelConfig) -> dict:
+    h, i = c.hidden_size, c.intermediate_size
+    return dict(mlp_norm=t.get(f"{p}.post_attention_layernorm.weight", (h,)),
+                w_gate=t.linear(f"{p}.mlp.gate_proj.weight", h, i), w_up=t.linear(f"{p}.mlp.up_proj.weight", h, i),
+                w_down=t.linear(f"{p}.mlp.down_proj.weight", i, h))
+
+
+def _llama_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    a = f"{p}.self_attn"
+    return LayerWeights(attn_norm=t.get(f"{p}.input_layernorm.weight", (h,)), wq=t.linear(f"{a}.q_proj.weight", h, q),
+                        wk=t.linear(f"{a}.k_proj.weight", h, kv), wv=t.linear(f"{a}.v_proj.weight", h, kv),
+                        wo=t.linear(f"{a}.o_proj.weight", q, h), **_mlp(t, p, c))
+
+
+def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool) -> MLALayerWeights:
+    m, h, hq, a = c.mla, c.hidden_size, c.num_heads, f"{p}.self_attn"
+    q_out, r, w = hq * m.qk_head_dim, m.kv_lora_rank, m.latent_dim
+    if m.q_lora_rank is None:
+        q = dict(wq=t.linear(f"{a}.q_proj.weight", h, q_out))
+    else:
+        rq = m.q_lora_rank
+        q = dict(wq_a=t.linear(f"{a}.q_a_proj.weight", h, rq), q_a_norm=t.get(f"{a}.q_a_layernorm.weight", (rq,)),
+                 wq_b=t.linear(f"{a}.q_b_proj.weight", rq, q_out))
+        if bias:
+            q["bq_a"] = t.get(f"{a}.q_a_proj.bias", (rq,))
+    if bias:
+        q.update(bkv_a=t.get(f"{a}.kv_a_proj_with_mqa.bias", (w,)), bo=t.get(f"{a}.o_proj.bias", (h,)))
+    return MLALayerWeights(attn_norm=t.get(f"{p}.input_layernorm.weight", (h,)),
+                           wkv_a=t.linear(f"{a}.kv_a_proj_with_mqa.weight", h, w),
+                           kv_a_norm=t.get(f"{a}.kv_a_layernorm.weight", (r,)),
+                           wkv_b=t.linear(f"{a}.kv_b_proj.weight", r, hq * (m.qk_nope_head_dim + m.v_head_dim)),
+                           wo=t.linear(f"{a}.o_proj.weight", hq * m.v_head_dim, h), **q, **_mlp(t, p, c))
+
+
+def load_checkpoint(path, dtype=np.float32) -> Model:
+    """Load a Hugging Face checkpoint directory (``LlamaForCausalLM`` or dense ``DeepseekV3ForCausalLM``).
+
+    path:  a directory with ``config.json`` and ``*.safetensors`` (one file or an indexed set of shards)
+    dtype: the model's compute dtype, float32 (default) or float64
+    Raises ModelFileNotFoundError (no directory / config.json / weights) or ModelFormatError
+    (unknown architecture, MoE layers, a missing tensor, a wrong shape, unsupported options).
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise ModelFileNotFoundError(f"checkpoint directory {path} {what}; pass a directory saved with "
+                                     "transformers' save_pretrained (config.json + *.safetensors)")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in SUPPORTED:
+        raise ModelFormatError(f"architecture {arch!r} in {path / 'config.json'} is not supported; "
+                               f"minikv loads {', '.join(SUPPORTED)}")
+    try:
+        config = _llama_config(cfg) if arch == "LlamaForCausalLM" else _deepseek_config(cfg)
+    except KeyError as e:
+        raise ModelFormatError(f"{path / 'config.json'} lacks {e.args[0]!r}, which {arch} needs") from None
+    t = _Tensors(path)
+    if arch == "LlamaForCausalLM":
+        layers = [_llama_layer(t, f"model.layers.{i}", config) for i in range(config.num_layers)]
+    else:
+        bias = bool(cfg.get("attention_bias", False))
+        layers = [_deepseek_layer(t, f"model.layers.{i}", config, bias) for i in range(config.num_layers)]
+    v, h = config.vocab_size, config.hidden_size
+    lm_head = None if config.tie_embeddings else t.get("lm_head.weight", (v, h))  # tied: the embedding is the head
+    weights = ModelWeights(embed=t.get("model.embed_tokens.weight", (v, h)), layers=layers,
+                           final_norm=t.get("model.norm.weight", (h,)), lm_head=lm_head)
+    return Model(config, weights, dtype=dtype)
