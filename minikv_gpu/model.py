@@ -134,8 +134,11 @@ class Model(_cpu.Model):
         if np.dtype(self.cache_dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
             raise DTypeError(f"cache_dtype={np.dtype(self.cache_dtype)}; use np.float32 or np.float16")
         self.dtype = np.float32
-        self.rt = get_runtime(self.runtime)
         c = self.config
+        if getattr(c, "mla", None) is not None:
+            raise ConfigError("this is an MLA model (DeepSeek-V2/V3 latent attention): step 4 has no GPU mirror yet "
+                              "(minikv_gpu has no mla module); run it with the NumPy reference, minikv.model.Model")
+        self.rt = get_runtime(self.runtime)
         head_dim_defines(c.head_dim)  # fail now, not at the first launch
         check_weights(c, self.weights)
         up = lambda a: self.rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
