@@ -70,13 +70,20 @@ def _build_contiguous(args: dict, max_len: int, max_seqs: int, block_size: int, 
     return kind(**args, max_seqs=max_seqs, max_len=max_len, dtype=dtype)
 
 
-def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+def paged_cache(args: dict, num_blocks: int, block_size: int, dtype, **options) -> KVCacheBase:
+    """A paged cache of ``num_blocks`` blocks for ``model.new_cache_args()`` (the latent twin for MLA).
+
+    ``options`` go to the class (num_host_blocks, enable_prefix_caching, hash_fn, ...).
+    """
     from minikv.mla import LatentPagedKVCache
     from minikv.paged import PagedKVCache
 
-    num_blocks = _paged_blocks(max_len, max_seqs, block_size)
     kind = LatentPagedKVCache if "mla" in args else PagedKVCache
-    return kind(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    return kind(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype, **options)
+
+
+def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
+    return paged_cache(args, _paged_blocks(max_len, max_seqs, block_size), block_size, dtype)
 
 
 def bytes_per_token(args: dict, dtype) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 
 from minikv.block_allocator import num_blocks_for
 from minikv.errors import CacheFullError, ConfigError, check_int
+from minikv.generate import bytes_per_token, paged_cache
 from minikv.model import Model
 from minikv.paged import PagedKVCache
 from minikv.scheduler import PagedPolicy, Request, Scheduler
@@ -132,17 +133,15 @@ def batching_benchmark(workload: Workload | None = None, kv_budget_bytes: int = 
     model = bench_model(wl) if model is None else model
     if model.config.max_position < wl.max_len:
         raise ConfigError(f"model max_position={model.config.max_position} < workload max_len={wl.max_len}")
-    per_token = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim \
-        * np.dtype(model.dtype).itemsize
+    per_token = bytes_per_token(model.new_cache_args(), model.dtype)  # the latent for an MLA model
     num_blocks = int(kv_budget_bytes) // (per_token * block_size)
     reqs = wl.requests()
     results = {}
     outputs = {}
     for side in ("paged", "contiguous"):
         paged = side == "paged"
-        cache = PagedKVCache(**model.new_cache_args(), num_blocks=num_blocks, block_size=block_size,
-                             dtype=model.dtype, enable_prefix_caching=paged,
-                             num_host_blocks=num_blocks if paged and preemption == "swap" else 0)
+        cache = paged_cache(model.new_cache_args(), num_blocks, block_size, model.dtype, enable_prefix_caching=paged,
+                            num_host_blocks=num_blocks if paged and preemption == "swap" else 0)
         policy = None if paged else ReserveMaxLen(num_blocks_for(wl.max_len, block_size) * block_size)
         sched = Scheduler(model, cache, preemption=preemption if paged else "recompute", policy=policy,
                           progress=progress)

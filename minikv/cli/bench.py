@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from minikv.cli.common import print_json, progress
 from minikv.errors import CacheFullError, InvalidInputError
 
@@ -31,12 +29,12 @@ def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None
 def _bench_batching(args) -> int:
     from minikv.bench.machine import describe, machine_info
     from minikv.bench.workloads import Workload, batching_benchmark, bench_model, format_benchmark
+    from minikv.generate import bytes_per_token
 
     workload = Workload(num_requests=args.requests, seed=args.seed)
     model = bench_model(workload)
-    c = model.config
     budget = int(args.kv_budget_mib * 2**20)
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
+    per_token = bytes_per_token(model.new_cache_args(), model.dtype)
     _check_budget(args, budget, per_token, workload.max_len)
     # both sides (paged, contiguous) generate every request's max_new_tokens: no EOS in the workload
     total = 2 * sum(r.max_new_tokens for r in workload.requests())

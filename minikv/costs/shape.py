@@ -182,6 +182,12 @@ class ModelShape:
 def shape_from_config(config, name: str = "model") -> ModelShape:
     """The ``ModelShape`` of a ``minikv.model.ModelConfig`` (a Llama-style SwiGLU decoder with RMSNorm)."""
     c = config
-    return ModelShape(name=name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      hidden_size=c.hidden_size, num_heads=c.num_heads, intermediate_size=c.intermediate_size,
-                      vocab_size=c.vocab_size, tie_embeddings=c.tie_embeddings, max_context=c.max_position)
+    common = dict(name=name, num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
+                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, tie_embeddings=c.tie_embeddings,
+                  max_context=c.max_position)
+    mla = getattr(c, "mla", None)
+    if mla is None:
+        return ModelShape(**common, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    # an MLA model's ModelConfig carries the absorbed geometry (one latent head); the shape wants the heads
+    return ModelShape(**common, num_kv_heads=c.num_heads, head_dim=mla.qk_nope_head_dim, rope_dim=mla.qk_rope_head_dim,
+                      v_head_dim=mla.v_head_dim, kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank or 0)
