@@ -41,10 +41,11 @@
 // Offsets into the cache are computed in 64-bit: L*max_seqs*Hkv*max_len*D passes 2^31
 // easily (30 layers * 64 seqs * 3 heads * 8192 positions * 64 dims = 3.0e9).
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
+#include "decode_v3.cuh"     // decode_v3::attend (the v3 kernels)
 
 // Element offset of cache[layer, slot, head, 0, 0], in 64 bits.
 __device__ __forceinline__ long long cache_offset(int layer, int slot, int head, int max_seqs, int n_kv_heads,
@@ -255,4 +256,35 @@ extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw,
     const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
     cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
                     n_splits);
+}
+
+// ---------------------------------------------------------------------------
+// decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z) attends
+// the GQA_GROUP queries of token n, KV head h, over keys [z*keys_per_split, (z+1)*keys_per_split)
+// ∩ [0, pos[n]], K and V loaded straight into registers with 16-byte loads (D/8 lanes per key),
+// no shared-memory staging and no barrier in the key loop. n_splits == 1: out is written
+// normalized; else split partials (split_k.cuh's layout, natural-log m) for attention_reduce_v2.
+//
+//   q: [N, Hq, D] float32, already rotated; Hq = GQA_GROUP * Hkv (compile-time group size)
+//   part_m, part_l: [N, Hq, Z], part_acc: [N, Hq, Z, D] float32 (Z = n_splits; unused when 1)
+//   grid  = (N, Hkv, Z)   splits past a token's history leave at once (write nothing)
+//   block = (128)         4 warps; lane group of D/8 lanes per key (see decode_v3.cuh)
+//   shared: static 4*G*(D+2) floats for the one cross-warp merge; no dynamic shared memory
+//   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (each K/V element
+//          once per GQA group), writes 4*N*Hq*D (unsplit) or 4*N*Hq*Zu*(D+2) partials.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void V3_LAUNCH_BOUNDS decode_attention_v3(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
+                                               const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
+                                               const int* __restrict__ pos, float* __restrict__ out,
+                                               float* __restrict__ part_m, float* __restrict__ part_l,
+                                               float* __restrict__ part_acc, int layer, int n_heads, int n_kv_heads,
+                                               int max_seqs, int max_len, int keys_per_split, int n_splits,
+                                               float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
+    if (c.k_begin >= c.k_end) return;  // the whole block leaves together, before the one barrier
+    decode_v3::State s = decode_v3::attend(q + c.q_base, k_cache, v_cache, DenseRows{c.head_base}, c.k_begin,
+                                           c.k_end, scale);
+    const long long row0 = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // (n, h*G)
+    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row0, (int)blockIdx.z, n_splits});
 }
