@@ -104,7 +104,7 @@ def _run_logged(cmd: list[str], log: Path, timeout_s: float, append: bool = Fals
         text, code, status = res.stdout + res.stderr, res.returncode, "passed" if res.returncode == 0 else "failed"
     except subprocess.TimeoutExpired as e:
         out = e.stdout or ""
-        text, code, status = (out.decode(errors="replace") if isinstance(out, bytes) else out), None, "failed"
+        text, code, status = (out.decode(errors="replace") if isinstance(out, bytes) else out), None, "timed out"
         text += f"\n[timed out after {timeout_s:.0f} s]\n"
     with log.open("a" if append else "w") as f:
         f.write(f"$ {' '.join(cmd)}\n{text}\n")
@@ -126,7 +126,8 @@ def run_tests(outdir: Path, timeout_s: float, smoke: bool) -> dict:
 
 
 def run_sanitizer(outdir: Path, timeout_s: float, smoke: bool) -> dict:
-    """Stage 5: compute-sanitizer memcheck and racecheck over SANITIZER_TESTS, each given half the time."""
+    """Stage 5: compute-sanitizer memcheck and racecheck over SANITIZER_TESTS, each given half the time.
+    A report (exit code 3) fails the run; a timeout is recorded as such and does not."""
     tool = shutil.which("compute-sanitizer") or next(
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if Path(p).is_file()), None)
     if smoke or tool is None:
@@ -136,7 +137,8 @@ def run_sanitizer(outdir: Path, timeout_s: float, smoke: bool) -> dict:
         cmd = [tool, "--tool", check, "--error-exitcode", "3", sys.executable, "-m", "pytest", *SANITIZER_TESTS,
                "-q", "-p", "no:cacheprovider"]
         res[check] = _run_logged(cmd, outdir / "sanitizer.log", timeout_s / 2, append=i > 0)
-    res["status"] = "passed" if all(res[c]["status"] == "passed" for c in ("memcheck", "racecheck")) else "failed"
+    states = {res[c]["status"] for c in ("memcheck", "racecheck")}
+    res["status"] = "failed" if "failed" in states else "timed out" if "timed out" in states else "passed"
     return res
 
 
@@ -224,7 +226,8 @@ class Run:
     def save(self) -> tuple[Path, Path]:
         r = self.report
         r["goal"] = goal_summary(r)
-        r["ok"] = (r.get("tests", {}).get("status") in ("passed", "not run", None) and not r["errors"]
+        r["ok"] = (r.get("complete", False) and r.get("tests", {}).get("status") in ("passed", "not run")
+                   and not r["errors"]
                    and r.get("sanitizer", {}).get("status") != "failed"
                    and all(c.get("ok") for c in r.get("compare", [])))
         r["seconds"] = round(time.perf_counter() - self.t0, 2)
@@ -276,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         rep["tests"] = run.stage("tests", lambda: run_tests(args.outdir, run.left() - 10, smoke),
                                  need_s=0 if smoke else 30) or {"status": "not run", "reason": "budget"}
     print("tests:", rep["tests"], flush=True)
+    rep["complete"] = True  # every stage ran or was skipped; a run cut short by `timeout 560` lacks this
     js, md = run.save()
     print(format_markdown(rep))
     print(f"wrote {js} and {md} in {rep['seconds']:.1f} s")

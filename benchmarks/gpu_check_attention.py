@@ -72,6 +72,8 @@ def time_torch_sdpa(rt, caches, q, case: AttnCase, timer: Timer, copy_gbs: float
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     res: dict = {"torch": torch.__version__, "dtype": "float16", "backends": {}}
+    if case.dtype != "float16":
+        res["note"] = "GB/s counts this case's float32 cache bytes; SDPA read float16 copies (half as many)"
     for backend in (None,) + BACKENDS:
         name = backend or "default"
         entry: dict = {}

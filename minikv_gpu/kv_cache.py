@@ -12,13 +12,22 @@ is the constructor: the device storage comes in through its storage hook
   whole GQA group shares every K/V tile it loads; or ``decode_attention_v2``
   (split-K: long histories split into ranges that run in parallel, merged by
   the shared ``attention_reduce_v2``);
+  or ``decode_attention_v3`` (decode steps: K/V straight into registers, the GQA group's
+  queries in registers, ``kernels/decode_v3.cuh``);
 * ``rope_write_attend`` -> ``rope_write_attend_v1`` / ``_v2``: the fused kernel (RoPE
   on q and k, cache write and attention in one launch) for decode steps.
 
 ``version`` (the cache's, or per call) means what it means for ``minikv_gpu.paged``:
-1 = one block per (token, KV head), 2 = split-K + reduce, None = choose per step. The
-choice here: ``num_splits`` ranges (None = automatic: ``BLOCKS_PER_SM`` blocks per
-multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per range), v1 when that is one.
+1 = one block per (token, KV head), 2 = split-K + reduce, 3 = the register-resident
+decode kernel, None = choose per step. The choice here: v3 on a decode step it can serve
+(``v3_refusal``: one new token per sequence, at most ``V3_MAX_GROUP`` query heads per KV
+head, head_dim a power of two); otherwise ``num_splits`` ranges (None = automatic:
+``BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per
+range), v1 when that is one. v3 splits the same way, aiming at one wave of its own
+blocks (``v3_blocks_per_sm``). v3 is decode-only: a call's explicit ``version=3`` on a
+step with more than one new token for some sequence raises ``InvalidInputError`` (and
+``ConfigError`` for a group or head_dim it cannot serve, or for the fused op); the
+cache's ``version=3`` is a policy, so such steps fall back to the automatic v1/v2.
 
 The cache stores float32 or float16 (``dtype``); attention always computes in
 float32, exactly as the NumPy cache casts what it reads to the query's dtype.
@@ -44,7 +53,8 @@ from minikv_gpu.runtime import (
     multiprocessors,
 )
 
-__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
+__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM", "V3_MAX_GROUP",
+           "resolve_version", "v3_blocks_per_sm", "v3_defines", "v3_refusal"]
 
 KEY_TILE = 32             # keys per tile in kv_cache.cu; split boundaries are multiples of it
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its parallelism
@@ -138,7 +148,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     NumPy class's (inherited, constructor included); this class owns the device
     storage (``_new_buffer``), ``write``, ``attend`` and the fused ``rope_write_attend``.
 
-    ``version`` (None, 1 or 2; see the module docstring) and ``num_splits`` (``None`` =
+    ``version`` (None, 1, 2 or 3; see the module docstring) and ``num_splits`` (``None`` =
     automatic) choose the attention kernel and how many ranges a sequence's history
     is split into. Automatic aims for ``BLOCKS_PER_SM`` blocks per multiprocessor and
     at least ``MIN_KEYS_PER_SPLIT`` keys per range; the simulator counts as one

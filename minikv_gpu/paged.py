@@ -10,8 +10,9 @@ and data movement move to the device (``kernels/paged.cu``):
   in host memory, as NumPy arrays;
 * ``write``  -> ``reshape_and_cache``: each new K/V row to its slot;
 * ``attend`` -> ``paged_decode_attention_v1`` (one block per (token, KV head)
-  walks the whole context through the block table) or ``..._v2`` (split-K:
-  partitions of the context in parallel, merged by the shared ``attention_reduce_v2``);
+  walks the whole context through the block table), ``..._v2`` (split-K:
+  partitions of the context in parallel, merged by the shared ``attention_reduce_v2``)
+  or ``..._v3`` (decode steps: K/V straight into registers, ``kernels/decode_v3.cuh``);
 * copy-on-write and swap -> ``copy_blocks`` (through the storage hooks
   ``_copy_blocks``, ``_swap_out_blocks``, ``_swap_in_blocks`` of the NumPy class).
 
@@ -28,9 +29,16 @@ partition (512, vLLM's) and S the longest context of the step:
 * otherwise v2 when the launch has fewer than ``BLOCKS_PER_SM`` blocks per
   multiprocessor (N tokens * Hkv heads), else v1.
 
+Before that rule: v3 for a decode step it can serve (one new token per sequence, at most
+8 query heads per KV head, head_dim a power of two; ``minikv_gpu.kv_cache.v3_refusal``).
+v3 splits into whole partitions only when its N * Hkv blocks fill less than one wave
+(``v3_partitions``). An explicit ``version=3`` (``paged_attention(version=3)``,
+``attend(version=3)``) that v3 cannot serve raises (``InvalidInputError`` for a prefill
+step, ``ConfigError`` otherwise); the cache's ``version=3`` falls back to the rule above.
+
 vLLM uses v1 when ``S <= 8192 and (partitions == 1 or num_seqs * num_heads > 512)``;
 ours counts thread blocks (one per KV head, not per query head) against the
-device's size. ``version=1`` or ``2`` forces one (the cache's ``version`` argument,
+device's size. ``version=1``, ``2`` or ``3`` forces one (the cache's ``version`` argument,
 or ``attend(..., version=)``).
 
 Attention computes in float32 whatever the pool stores, as the NumPy cache casts
@@ -63,7 +71,7 @@ from minikv_gpu.runtime import (
 
 __all__ = ["Block", "BlockAllocator", "chain_hash", "num_blocks_for", "slot_mapping", "default_blocks_per_tile",
            "query_positions", "check_paged_attention_args", "reshape_and_cache", "paged_attention", "copy_blocks",
-           "choose_version", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
+           "choose_version", "v3_partitions", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
 
 KEY_TILE = 32          # keys per tile in paged.cu; partitions are whole tiles
 PARTITION_SIZE = 512   # keys per v2 partition (vLLM's PARTITION_SIZE)
@@ -234,7 +242,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     block_tables: [B, max_blocks]; context_lens, query_lens: [B] (host or device; small)
     blocks_per_tile: checked as in the reference and otherwise unused: the kernels walk tiles of
                   ``KEY_TILE`` keys whatever the block size
-    version:      1, 2 or None (``choose_version``); partition_size: keys per v2 partition
+    version:      1, 2, 3 or None (``choose_version``; 3 only for decode rows: query_lens all 1);
+                  partition_size: keys per v2 partition (v3: the unit it splits in, below one wave)
     returns:      [N, Hq, D] float32 on the device
 
     The same calls are accepted as by the reference (its own argument check runs here). The
@@ -319,7 +328,8 @@ class PagedKVCache(_cpu.PagedKVCache):
     Arguments as the NumPy class (``blocks_per_tile`` is checked and unused: the kernels walk
     tiles of ``KEY_TILE`` keys whatever the block size), plus:
     runtime:        the kernel runtime (default: CuPy on a GPU, else the simulator)
-    version:        attention version, 1, 2, or None to choose per step (``choose_version``)
+    version:        attention version, 1, 2, 3 (decode steps; others fall back), or None to choose
+                    per step (``choose_version``)
     partition_size: keys per v2 partition (a multiple of ``KEY_TILE``)
 
     Storage dtype float32 or float16; ``write`` takes float32 K/V ``[N, Hkv, D]`` and

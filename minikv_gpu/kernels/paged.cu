@@ -11,12 +11,15 @@
 // kernel reads a sequence's history through its block table, one table entry per block_size keys.
 //
 // Kernels (<op>_v<N>, vLLM's names; the same N means the same idea in every .cu: v1 one block
-// per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 reserved):
+// per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 the
+// register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
 //   reshape_and_cache           write the step's new K/V rows through the slot mapping
 //   paged_decode_attention_v1   one thread block per (query token, KV head) walks the whole context
 //   paged_decode_attention_v2   split-K: one thread block per (query token, KV head, partition)
 //   attention_reduce_v2         split_k.cuh's, shared with kv_cache.cu: merges v2's partitions,
 //                               rescaling each by exp(m_i - m)
+//   paged_decode_attention_v3   decode attention with K/V read through the block table straight
+//                               into registers (decode_v3.cuh); split only below one wave
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
 // as in attention.cu and kv_cache.cu.
@@ -27,6 +30,15 @@
 //   v2  split-K (vLLM's v2, flash-decoding). Its partitions used to write partials normalized by
 //       their own sum, merged by paged_attention_reduce_v2 with weights exp(m_i - m) * l_i; they
 //       now write split_k.cuh's unnormalized (m, l, acc), merged by the shared attention_reduce_v2.
+//   v3  register-resident decode (decode_v3.cuh; kv_cache.cu's log has the reasoning): no shared-memory
+//       staging, each key's row looked up in the block table by its lane group (one broadcast 4-byte
+//       load per key, L1 after the first of a block), 16-byte loads of K/V straight into registers,
+//       all G queries of the group in registers, no barrier in the key loop; the grid splits into
+//       whole partitions only when N*Hkv blocks fill less than one wave (4 per SM for G <= 4, 2 above).
+//       Expected on an H200: as kv_cache.cu's decode_attention_v3 (>= 85% of the copy on the goal
+//       case), the table lookups costing a few percent (one integer division per key and lane).
+//       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-124 at G=3, 119-128
+//       at G=4, 209-239 at G=8; 0 spills, no stack frame; NVRTC compiles. No GPU has run it yet.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
 //   v2 31-43 (before the shared core: 32-48 both), attention_reduce_v2 31-32 (the old
@@ -45,7 +57,7 @@
 // block's previous owner left (possibly NaN). They are never read: a tile's rows past the
 // context are zero-filled instead (attend_tiles.cuh), since 0 * NaN = NaN would poison the sum.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
