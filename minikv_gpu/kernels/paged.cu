@@ -36,8 +36,9 @@
 //       all G queries of the group in registers, no barrier in the key loop; the grid splits into
 //       whole partitions only when N*Hkv blocks fill less than one wave (4 per SM for G <= 4, 2 above).
 //       Expected on an H200: as kv_cache.cu's decode_attention_v3 (>= 85% of the copy on the goal
-//       case), the table lookups costing a few percent (one integer division per key and lane).
-//       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-124 at G=3, 119-128
+//       case), the table lookups costing a few percent (a shift and a mask per key and lane for a
+//       power-of-two block size, an integer division otherwise).
+//       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-128 at G=3, 122-128
 //       at G=4, 209-239 at G=8; 0 spills, no stack frame; NVRTC compiles. No GPU has run it yet.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
@@ -227,13 +228,17 @@ extern "C" __global__ void copy_blocks(const cache_t* src_k, const cache_t* src_
 
 // Rows of one sequence and KV head through its block table, looked up per key by each lane
 // (decode_v3.cuh's Rows: no shared memory, no barrier). The lanes of a subgroup read the same
-// table entry (one broadcast load, from L1 after the first key of the block).
+// table entry (one broadcast load, from L1 after the first key of the block). A power-of-two
+// block size (16, the usual) takes a shift and a mask instead of an integer division, which
+// costs some 20 instructions per key and lane (block_shift = -1 otherwise; a uniform branch).
 struct PagedRowsV3 {
     const int* table;  // block_tables[token_seq[n]]
-    int block_size;
+    int block_size, block_shift;
     long long slot_stride, head_offset;  // Hkv*D, h*D
     __device__ __forceinline__ long long operator()(int key) const {
-        const long long slot = (long long)table[key / block_size] * block_size + key % block_size;
+        const int blk = block_shift >= 0 ? key >> block_shift : key / block_size;
+        const int off = block_shift >= 0 ? key & (block_size - 1) : key - blk * block_size;
+        const long long slot = (long long)table[blk] * block_size + off;
         return slot * slot_stride + head_offset;
     }
 };
@@ -267,7 +272,8 @@ extern "C" __global__ void V3_LAUNCH_BOUNDS paged_decode_attention_v3(const floa
     const int k_end = min(token_pos[n] + 1, k_begin + keys_per_split);
     if (k_begin >= k_end) return;  // the whole block leaves together, before the one barrier
     const long long row0 = (long long)n * n_heads + (long long)h * GQA_GROUP;  // (n, h*G)
-    const PagedRowsV3 rows{block_tables + (long long)token_seq[n] * max_blocks, block_size,
+    const int block_shift = __popc((unsigned)block_size) == 1 ? __ffs(block_size) - 1 : -1;
+    const PagedRowsV3 rows{block_tables + (long long)token_seq[n] * max_blocks, block_size, block_shift,
                            (long long)n_kv_heads * HEAD_DIM, (long long)h * HEAD_DIM};
     decode_v3::State s = decode_v3::attend(q + row0 * HEAD_DIM, k_pool, v_pool, rows, k_begin, k_end, scale);
     const long long row = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // row0, recomputed
