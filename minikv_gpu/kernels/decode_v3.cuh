@@ -1,22 +1,22 @@
 // decode_v3.cuh: the v3 decode-attention core, register-resident and bandwidth-bound, shared by
 // kv_cache.cu's decode_attention_v3 and paged.cu's paged_decode_attention_v3.
 //
-// One thread block (V3_THREADS = 128 threads, 4 warps) serves one (token, KV head, split): the
+// One thread block (THREADS = 128 threads, 4 warps; names below are decode_v3::'s) serves one (token, KV head, split): the
 // G = GQA_GROUP query heads of the KV head, over one key range. No shared-memory staging of K/V:
 //
-//   lanes      a key's D elements are split over V3_LANES = D/8 lanes, 8 elements each (one
+//   lanes      a key's D elements are split over LANES = D/8 lanes, 8 elements each (one
 //              16-byte load for a half row slice, two 16-byte loads for float: the same lane
 //              mapping for both caches, so fp32 simply moves twice the bytes per lane);
-//              a warp holds 32/V3_LANES such *subgroups* (D=128: 2, D=64: 4), the block 4x that;
+//              a warp holds 32/LANES such *subgroups* (D=128: 2, D=64: 4), the block 4x that;
 //   queries    every lane keeps its 8 dims of all G queries in registers (pre-multiplied by
 //              scale * log2(e)), so each K element loaded feeds G multiply-adds, each V element
 //              another G: the group's sharing costs no extra traffic and no shared memory;
-//   in flight  each subgroup takes V3_UNROLL keys per iteration (keys base + u*SUBGROUPS + s,
-//              so the lanes of a warp read consecutive rows) and issues all 2*V3_UNROLL loads
+//   in flight  each subgroup takes UNROLL keys per iteration (keys base + u*SUBGROUPS + s,
+//              so the lanes of a warp read consecutive rows) and issues all 2*UNROLL loads
 //              (K and V) before the first multiply: 128 bytes per lane in flight for G <= 4
 //              (fp16: 4 keys x 2 x 16 B; fp32: 2 keys x 2 x 32 B), half that for G > 4,
 //              whose larger register state leaves fewer registers for loads;
-//   reduce     the 8-element partial dots are summed over the V3_LANES lanes of a subgroup by
+//   reduce     the 8-element partial dots are summed over the LANES lanes of a subgroup by
 //              __shfl_xor_sync; each subgroup keeps its own online-softmax state per query
 //              head (m, l, acc[8] in registers): no barrier and no shared memory in the key loop;
 //   merge      after the loop, the subgroups of a warp merge by shuffles, the 4 warps through
@@ -33,7 +33,7 @@
 // that has seen no key keeps m = -inf; every exp2f here shifts by 0 instead of -inf there (the
 // -inf - -inf = NaN trap of online_softmax.cuh, handled the same way).
 //
-// Limits: HEAD_DIM a power of two (V3_LANES must divide 32), GQA_GROUP in 1..8 (the register
+// Limits: HEAD_DIM a power of two (LANES must divide 32), GQA_GROUP in 1..8 (the register
 // budget: 16*G floats of queries and accumulators per lane). The Python side checks both.
 
 #pragma once
@@ -45,7 +45,8 @@
 #endif
 
 // Occupancy: 4 blocks (16 warps) per multiprocessor for G <= 4, so ptxas keeps to 128 registers;
-// 2 for G > 4 (up to 255). The launchers size the grid with the same numbers (V3_BLOCKS_PER_SM).
+// 2 for G > 4 (up to 255). The launchers size the grid with the same numbers
+// (minikv_gpu.kv_cache.v3_blocks_per_sm).
 #define V3_BLOCKS_PER_SM (GQA_GROUP > 4 ? 2 : 4)
 #define V3_LAUNCH_BOUNDS __launch_bounds__(128, V3_BLOCKS_PER_SM)
 

@@ -5,9 +5,10 @@ Paged: ``minikv.paged.paged_attention`` over NaN-poisoned pools (every slot that
 context is NaN), GQA groups 1, 3, 4, 8, head_dim 64 and 128 (and 16, the tiny model's), float32
 and float16 pools, block sizes 1, 5, 16, contexts 1 .. a few hundred including block_size +- 1,
 split (partitions of 32 keys) and unsplit. Contiguous: the NumPy ``ContiguousKVCache`` with
-histories of 0, 1, 31, 33 and ~200 keys. Tolerance ``KERNEL_RTOL`` against NumPy on the same
-(rounded) cache; float16 against the exact float32 computation within test_gpu_kv_cache's
-documented ``fp16_bound``. The choice rules (decode only, G <= 8, powers of two) are checked too.
+histories of 0, 1, 31, 33 and 200 keys, every unwritten position of the device cache NaN.
+Tolerance ``KERNEL_RTOL`` against NumPy on the same (rounded) cache; float16 against the exact
+float32 computation within test_gpu_kv_cache's documented ``fp16_bound``. The choice rules
+(decode only, G <= 8, powers of two) are checked too.
 ``MINIKV_SIM_ASAN=1`` (see the simulator's README) runs this file under AddressSanitizer; the
 last test does so in a subprocess (every simulator test of the file).
 """
@@ -120,6 +121,8 @@ def test_contiguous_v3_equals_numpy(rt, heads, dtype):
     hq, hkv, d = heads
     tw = Twin(rt, hq, hkv, d, max_seqs=5, max_len=204, dtype=dtype)
     tw.gpu.version = 3
+    tw.gpu.k[...] = np.nan  # every position past a history is stale: a kernel that reads one returns NaN
+    tw.gpu.v[...] = np.nan
     for sid in "abcde":
         tw.add(sid)
     tw.fill("bcde", [1, 31, 33, 200])
