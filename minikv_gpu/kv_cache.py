@@ -23,8 +23,8 @@ decode kernel, None = choose per step. The choice here: v3 on a decode step it c
 (``v3_refusal``: one new token per sequence, at most ``V3_MAX_GROUP`` query heads per KV
 head, head_dim a power of two); otherwise ``num_splits`` ranges (None = automatic:
 ``BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per
-range), v1 when that is one. v3 splits the same way, aiming at one wave of its own
-blocks (``v3_blocks_per_sm``). v3 is decode-only: a call's explicit ``version=3`` on a
+range), v1 when that is one. v3 splits the same way, with the split count nearest one
+wave of its own blocks (``v3_blocks_per_sm``). v3 is decode-only: a call's explicit ``version=3`` on a
 step with more than one new token for some sequence raises ``InvalidInputError`` (and
 ``ConfigError`` for a group or head_dim it cannot serve, or for the fused op); the
 cache's ``version=3`` is a policy, so such steps fall back to the automatic v1/v2.
@@ -272,14 +272,17 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
                               f"head and {STATIC_SMEM_LIMIT} bytes are supported")
         return device_f32(self.rt, q, "q")
 
-    def _splits(self, requested: int | None, n_blocks: int, per_sm: int = BLOCKS_PER_SM) -> tuple[int, int]:
+    def _splits(self, requested: int | None, n_blocks: int, per_sm: int = BLOCKS_PER_SM,
+                nearest: bool = False) -> tuple[int, int]:
         """(n_splits, keys_per_split) for a launch of ``n_blocks`` (token, KV head) pairs; automatic:
-        about one wave of ``per_sm`` blocks per multiprocessor."""
+        at least ``per_sm`` blocks per multiprocessor (v2), or the split count nearest one wave of
+        them (``nearest``, v3: 512 blocks on 528 slots stay unsplit rather than make two waves)."""
         max_keys = self._dev["max_keys"]
         want = requested if requested is not None else self.num_splits
         if want is None:
             target = per_sm * multiprocessors(self.rt)
-            want = min(-(-target // n_blocks), -(-max_keys // MIN_KEYS_PER_SPLIT))
+            waves = (target + n_blocks // 2) // n_blocks if nearest else -(-target // n_blocks)
+            want = min(max(1, waves), -(-max_keys // MIN_KEYS_PER_SPLIT))
         want = max(1, min(int(want), -(-max_keys // KEY_TILE)))  # never an empty split on the longest sequence
         per = -(-max_keys // want)
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
@@ -295,7 +298,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
                               "needs version=2 (or None)")
         per_sm = v3_blocks_per_sm(group) if version == 3 else BLOCKS_PER_SM
-        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks, per_sm)
+        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks, per_sm, nearest=version == 3)
         return version or (2 if splits > 1 else 1), splits, per
 
     def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits):

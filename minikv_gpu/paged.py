@@ -31,7 +31,7 @@ partition (512, vLLM's) and S the longest context of the step:
 
 Before that rule: v3 for a decode step it can serve (one new token per sequence, at most
 8 query heads per KV head, head_dim a power of two; ``minikv_gpu.kv_cache.v3_refusal``).
-v3 splits into whole partitions only when its N * Hkv blocks fill less than one wave
+v3 splits into whole partitions, as many as bring its N * Hkv blocks nearest one wave
 (``v3_partitions``). An explicit ``version=3`` (``paged_attention(version=3)``,
 ``attend(version=3)``) that v3 cannot serve raises (``InvalidInputError`` for a prefill
 step, ``ConfigError`` otherwise); the cache's ``version=3`` falls back to the rule above.
@@ -130,12 +130,13 @@ def choose_version(max_context: int, n_tokens: int, n_kv_heads: int, partition_s
 
 
 def v3_partitions(max_context: int, blocks: int, group: int, partition_size: int, runtime=None) -> tuple[int, int]:
-    """(n_splits, keys_per_split) of a v3 launch of ``blocks`` (token, KV head) pairs: split only
-    when they fill less than one wave (``v3_blocks_per_sm`` per multiprocessor), into whole
-    partitions of ``partition_size`` keys."""
+    """(n_splits, keys_per_split) of a v3 launch of ``blocks`` (token, KV head) pairs: the split
+    count nearest one wave (``v3_blocks_per_sm`` per multiprocessor; 1 from 2/3 of a wave up),
+    in whole partitions of ``partition_size`` keys."""
     parts = max(1, -(-max_context // partition_size))
     wave = v3_blocks_per_sm(group) * multiprocessors(get_runtime(runtime))
-    z = max(1, min(parts, -(-wave // max(blocks, 1))))
+    blocks = max(blocks, 1)
+    z = max(1, min(parts, (wave + blocks // 2) // blocks))
     per = -(-parts // z) * partition_size
     return max(1, -(-max_context // per)), per
 
@@ -243,7 +244,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     blocks_per_tile: checked as in the reference and otherwise unused: the kernels walk tiles of
                   ``KEY_TILE`` keys whatever the block size
     version:      1, 2, 3 or None (``choose_version``; 3 only for decode rows: query_lens all 1);
-                  partition_size: keys per v2 partition (v3: the unit it splits in, below one wave)
+                  partition_size: keys per v2 partition (v3: the unit it splits in, nearest one wave)
     returns:      [N, Hq, D] float32 on the device
 
     The same calls are accepted as by the reference (its own argument check runs here). The

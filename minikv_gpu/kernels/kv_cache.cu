@@ -23,7 +23,7 @@
 //   rope_write_attend_v2    the fused kernel, split-K (+ attention_reduce_v2)
 //   decode_attention_v3     decode attention with K/V loaded straight into registers (16-byte
 //                           loads, D/8 lanes per key, the GQA group's queries in registers, no
-//                           barrier in the key loop); split only below one wave (+ the reduce)
+//                           barrier in the key loop); split count nearest one wave (+ the reduce)
 //   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
 // The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
 // and paged.cu.

@@ -19,7 +19,7 @@
 //   attention_reduce_v2         split_k.cuh's, shared with kv_cache.cu: merges v2's partitions,
 //                               rescaling each by exp(m_i - m)
 //   paged_decode_attention_v3   decode attention with K/V read through the block table straight
-//                               into registers (decode_v3.cuh); split only below one wave
+//                               into registers (decode_v3.cuh); split count nearest one wave
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
 // as in attention.cu and kv_cache.cu.
@@ -34,7 +34,7 @@
 //       staging, each key's row looked up in the block table by its lane group (one broadcast 4-byte
 //       load per key, L1 after the first of a block), 16-byte loads of K/V straight into registers,
 //       all G queries of the group in registers, no barrier in the key loop; the grid splits into
-//       whole partitions only when N*Hkv blocks fill less than one wave (4 per SM for G <= 4, 2 above).
+//       whole partitions, as many as bring N*Hkv blocks nearest one wave (4 per SM for G <= 4, 2 above).
 //       Expected on an H200: as kv_cache.cu's decode_attention_v3 (>= 85% of the copy on the goal
 //       case), the table lookups costing a few percent (a shift and a mask per key and lane for a
 //       power-of-two block size, an integer division otherwise).

@@ -65,6 +65,8 @@ def test_paged_v3_launch_splits_only_below_one_wave(sim_rt):
     assert gpu.v3_partitions(200, 1, 8, 32, sim_rt) == (2, 128)    # G > 4: 2 blocks per SM
     assert gpu.v3_partitions(20, 1, 1, 32, sim_rt) == (1, 32)      # one partition
     assert gpu.v3_partitions(0, 3, 1, 32, sim_rt) == (1, 32)
+    assert gpu.v3_partitions(200, 3, 4, 32, sim_rt) == (1, 224)    # 3 of 4 slots: nearest is one wave
+    assert gpu.v3_partitions(200, 2, 4, 32, sim_rt) == (2, 128)
 
 
 def test_paged_v3_split_equals_unsplit_and_v1(rt):
@@ -146,6 +148,11 @@ def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
         assert tw.gpu.prepare_attend(1, q).version == 3  # None prefers v3 for decode
         launch = tw.gpu.prepare_attend(1, q, num_splits=2)
         assert (launch.version, launch.splits) == (3, 2)
+        tw.gpu._dev["max_keys"] = 1000  # long enough for 4 ranges of MIN_KEYS_PER_SPLIT: only the waves decide
+        # the simulator's wave is 4 blocks: v3 takes the split count nearest it, v2 at least it
+        assert [tw.gpu._splits(None, b, 4, nearest=True)[0] for b in (1, 2, 3, 4)] == [4, 2, 1, 1]
+        assert [tw.gpu._splits(None, b, 4)[0] for b in (1, 2, 3, 4)] == [4, 2, 2, 1]
+        tw.gpu._dev["max_keys"] = 41
         with pytest.raises(ConfigError, match="fused"):
             tw.gpu.prepare_rope_write_attend(1, q, q[:, :2], q[:, :2], q[:, 0, :32], q[:, 0, :32], "half",
                                              version=3)
