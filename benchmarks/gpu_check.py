@@ -1,30 +1,30 @@
-"""The GPU check: one prepared run on a lent GPU (an H200), in under 5 minutes, installing nothing.
+"""The GPU check: one prepared run on a lent GPU (an H200), under 10 minutes, installing nothing.
 
-    bash benchmarks/gpu_check.sh OUTDIR [--model PATH]        # on the GPU machine
+    bash benchmarks/gpu_check.sh OUTDIR [--model PATH]        # on the GPU machine (under `timeout 560`)
     python benchmarks/gpu_check.py OUTDIR --sim-smoke          # here: every stage at toy sizes on the simulator
 
-Stages (each one's failure is recorded and the next still runs):
+Stages, in this order (each one's failure is recorded and the next still runs; ``OUTDIR/gpu_check.json``
+and ``gpu_check.md`` are rewritten after every stage, so a run cut short keeps what it measured):
 
 1. device: name, multiprocessors, L2, memory, CUDA, CuPy and torch versions;
-2. tests: ``pytest -m gpu tests/gpu``: the simulator's kernel tests on CuPy, plus full sizes
-   (if pytest is missing, the stage says so; stages 3 and 4 still check every kernel against NumPy);
-3. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``;
-   the 98 MB GGUF does not travel): float32 cache, float16 cache + fused kernel, no cache,
-   float32 paged cache (blocks of 16);
-4. decode attention timing (METHOD.md): CUDA events around batches of launches, warm-up, median
-   of repeats, inputs rotated over enough copies that each launch reads beyond the L2 cache.
-   Achieved GB/s (K and V read once, q read and out written once) against a measured
-   device-to-device copy (bytes read + written) and against torch SDPA on the same cache arrays;
-5. paged decode attention (step 3), same method and cases: the same history copied into a
-   ``minikv_gpu.paged.PagedKVCache`` (blocks of ``PAGED_BLOCK_SIZE``), v1 and v2 (split-K) and
-   the automatic choice, checked against the contiguous kernel's output, side by side with it
-   and with torch SDPA on the history gathered back out of the blocks.
+2. copy: a large device-to-device copy, the bandwidth bar (bytes read + written / time);
+3. decode attention, the goal case first (B=64, context 4096, 32/8 heads, D=128, float16 cache):
+   contiguous (``gpu_check_kv_cache.py``) and paged (``gpu_check_paged.py``), every version (v1, v2,
+   v3, the automatic choice, the fused kernel) checked against NumPy, then timed with CUDA events
+   (warm-up, median of repeats, inputs rotated past L2; a CUDA graph of each batch), with achieved
+   bandwidth, its fraction of the copy, and every torch SDPA backend on the same data
+   (``gpu_check_attention.py``); each case's ``ratios`` and the report's ``goal`` carry the ratios
+   the goal is judged by (``GOAL_TARGETS``: v3 >= 85% of the copy, >= 1.0x the best SDPA backend);
+4. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``);
+5. sanitizer: ``compute-sanitizer`` memcheck and racecheck over a few GPU tests, if the tool exists
+   and the time budget allows (``OUTDIR/sanitizer.log``);
+6. tests, last (the long stage): ``pytest -m gpu tests/gpu``, the kernel tests on CuPy plus full
+   sizes, given what remains of the budget (``OUTDIR/pytest.log``).
 
-This file is the driver; the stages live next to it, one file per step: ``gpu_check_common.py``
-(cases, timer, copy), ``gpu_check_attention.py`` (torch SDPA), ``gpu_check_kv_cache.py`` (step 2),
-``gpu_check_paged.py`` (step 3) and ``gpu_check_report.py`` (JSON and Markdown).
+``--budget`` (seconds, default 530) is what the stages may spend; a stage that no longer fits is
+recorded as skipped. ``--sim-smoke`` runs every stage at toy sizes (the goal case scaled down, every
+kernel version, a one-test pytest run) and records its wall time in ``seconds``.
 
-Writes ``OUTDIR/gpu_check.json`` and ``OUTDIR/gpu_check.md`` and prints the Markdown last.
 Exit status: 0 when every check passed, 1 when one failed, 2 when no GPU is usable.
 """
 
@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -45,15 +46,27 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stage files next to this one
 
-from gpu_check_common import FULL_CASES, ROOT, SMOKE_CASES, AttnCase, Timer, copy_bandwidth  # noqa: E402
+from gpu_check_common import (  # noqa: E402
+    FULL_CASES,
+    GOAL_CASE,
+    ROOT,
+    SMOKE_CASES,
+    AttnCase,
+    Timer,
+    copy_bandwidth,
+)
 from gpu_check_kv_cache import time_decode_attention  # noqa: E402
 from gpu_check_paged import time_paged_decode_attention  # noqa: E402
-from gpu_check_report import format_markdown, write_report  # noqa: E402
+from gpu_check_report import format_markdown, goal_summary, row_ratios, write_report  # noqa: E402
 
 from minikv.errors import BackendUnavailableError  # noqa: E402
 from minikv_gpu import runtime  # noqa: E402
 
 __all__ = ["AttnCase", "format_markdown", "main"]
+
+SANITIZER_TESTS = ["tests/gpu/test_gpu_v3.py", "tests/gpu/test_gpu_paged.py", "-k",
+                   "cupy and (split_equals_unsplit or (v2_partitions_merge_to_v1 and 32))"]
+SMOKE_TESTS = ["tests/gpu/test_gpu_v3.py", "-k", "split_equals_unsplit and sim"]
 
 
 # --- stages --------------------------------------------------------------------------------------
@@ -76,36 +89,61 @@ def device_info(rt) -> dict:
         import torch
 
         info["torch"] = torch.__version__
+        info["torch_cuda"] = bool(torch.cuda.is_available())
     except ImportError:
         info["torch"] = None
     return info
 
 
-def run_tests(outdir: Path, timeout_s: int) -> dict:
-    """pytest -m gpu over tests/gpu, in a child process; its log goes to OUTDIR/pytest.log."""
+def _run_logged(cmd: list[str], log: Path, timeout_s: float, append: bool = False) -> dict:
+    """Run ``cmd`` from the repository root; its output goes to ``log``; a timeout keeps what it printed."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, timeout_s))
+        text, code, status = res.stdout + res.stderr, res.returncode, "passed" if res.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or ""
+        text, code, status = (out.decode(errors="replace") if isinstance(out, bytes) else out), None, "timed out"
+        text += f"\n[timed out after {timeout_s:.0f} s]\n"
+    with log.open("a" if append else "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n{text}\n")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return {"status": status, "returncode": code, "summary": (lines[-1] if lines else "").strip("= "),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def run_tests(outdir: Path, timeout_s: float, smoke: bool) -> dict:
+    """Stage 6: pytest -m gpu over tests/gpu in a child process (smoke: one simulator test)."""
     try:
         import pytest  # noqa: F401
     except ImportError:
         return {"status": "not run", "reason": "pytest is not installed; the compare and timing stages still "
                                                "check every kernel against NumPy"}
-    log = outdir / "pytest.log"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    t0 = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        log.write_text((e.stdout or "") if isinstance(e.stdout, str) else "")
-        return {"status": "failed", "reason": f"timed out after {timeout_s} s"}
-    log.write_text(res.stdout + res.stderr)
-    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
-    summary = lines[-1] if lines else ""
-    return {"status": "passed" if res.returncode == 0 else "failed", "returncode": res.returncode,
-            "summary": summary.strip("= "), "seconds": round(time.perf_counter() - t0, 1)}
+    select = SMOKE_TESTS if smoke else ["-m", "gpu", "tests/gpu"]
+    cmd = [sys.executable, "-m", "pytest", *select, "-q", "-p", "no:cacheprovider"]
+    return _run_logged(cmd, outdir / "pytest.log", timeout_s)
+
+
+def run_sanitizer(outdir: Path, timeout_s: float, smoke: bool) -> dict:
+    """Stage 5: compute-sanitizer memcheck and racecheck over SANITIZER_TESTS, each given half the time.
+    A report (exit code 3) fails the run; a timeout is recorded as such and does not."""
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if Path(p).is_file()), None)
+    if smoke or tool is None:
+        return {"status": "not run", "reason": "on the simulator" if smoke else "compute-sanitizer not found"}
+    res = {"tool": tool}
+    for i, check in enumerate(("memcheck", "racecheck")):
+        cmd = [tool, "--tool", check, "--error-exitcode", "3", sys.executable, "-m", "pytest", *SANITIZER_TESTS,
+               "-q", "-p", "no:cacheprovider"]
+        res[check] = _run_logged(cmd, outdir / "sanitizer.log", timeout_s / 2, append=i > 0)
+    states = {res[c]["status"] for c in ("memcheck", "racecheck")}
+    res["status"] = "failed" if "failed" in states else "timed out" if "timed out" in states else "passed"
+    return res
 
 
 def run_compares(rt, model_path: str | None, smoke: bool) -> list[dict]:
-    """Stage 3: ``minikv compare`` on every cache kind (SmolLM2's shapes, or a tiny model for the smoke run)."""
+    """Stage 4: ``minikv compare`` on every cache kind (SmolLM2's shapes, or a tiny model for the smoke run)."""
     from minikv_gpu.compare import DEFAULT_TOL, compare, smollm2_random
 
     if model_path:
@@ -141,28 +179,59 @@ def run_compares(rt, model_path: str | None, smoke: bool) -> list[dict]:
     return out
 
 
-def run_timings(report: dict, rt, smoke: bool) -> None:
-    """Stages 4 and 5: the copy bar, then every case's contiguous and paged decode attention."""
-    timer = Timer(rt, warmup=1, repeats=3, batch=2) if smoke else Timer(rt)
+def run_case(report: dict, rt, case: AttnCase, timer: Timer, rng) -> None:
+    """Stage 3, one case: contiguous and paged decode attention; the row and its ratios go into the report."""
     try:
-        report["copy"] = copy_bandwidth(rt, (1 << 20) if smoke else (2 << 30), timer)
+        row = time_decode_attention(rt, case, timer, report["copy"].get("gb_per_s", float("nan")), rng,
+                                    extra={"paged": time_paged_decode_attention})
+        row["ratios"] = row_ratios(row)
     except Exception as e:
-        report["copy"] = {"error": str(e)}
-        report["errors"].append("copy: " + traceback.format_exc(limit=3))
-    rng = np.random.default_rng(0)
-    report["attention"] = []
-    for case in SMOKE_CASES if smoke else FULL_CASES:
+        row = {"case": case.name, "cache_dtype": case.dtype, "error": f"{type(e).__name__}: {e}"}
+        report["errors"].append(f"attention {case.name}: " + traceback.format_exc(limit=3))
+    report["attention"].append(row)
+    if "error" in row.get("paged", {}):
+        report["errors"].append(f"paged attention {case.name}: {row['paged']['traceback']}")
+    print("attention:", row.get("case"), row.get("cache_dtype"),
+          {k: round(row[k]["median_ms"] * 1e3, 1) for k in ("v1", "v2", "v3", "auto") if k in row}, "us",
+          row.get("ratios", row.get("error")), flush=True)
+
+
+class Run:
+    """The report, its time budget and its files: ``save()`` after every stage."""
+
+    def __init__(self, outdir: Path, budget_s: float):
+        self.outdir, self.budget_s, self.t0 = outdir, budget_s, time.perf_counter()
+        self.report: dict = {"errors": [], "stages": {}, "budget_s": budget_s}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def stage(self, name: str, fn, need_s: float = 0.0):
+        """Run fn() as stage ``name`` unless less than ``need_s`` seconds remain; record its time; save."""
+        if self.left() < need_s:
+            self.report["stages"][name] = {"status": "skipped", "reason": f"{self.left():.0f} s of budget left"}
+            self.save()
+            return None
+        t = time.perf_counter()
         try:
-            row = time_decode_attention(rt, case, timer, report["copy"].get("gb_per_s", float("nan")), rng,
-                                        extra={"paged": time_paged_decode_attention})
+            result = fn()
+            status = "done"
         except Exception as e:
-            row = {"case": f"{case.name} {case.dtype}", "error": f"{type(e).__name__}: {e}"}
-            report["errors"].append(f"attention {case.name}: " + traceback.format_exc(limit=3))
-        report["attention"].append(row)
-        if "error" in row.get("paged", {}):
-            report["errors"].append(f"paged attention {case.name}: {row['paged']['traceback']}")
-        print("attention:", row.get("case"), {k: row[k]["median_ms"] for k in ("v1", "v2 fused") if k in row},
-              flush=True)
+            result, status = None, f"error: {type(e).__name__}: {e}"
+            self.report["errors"].append(f"{name}: " + traceback.format_exc(limit=3))
+        self.report["stages"][name] = {"status": status, "seconds": round(time.perf_counter() - t, 2)}
+        self.save()
+        return result
+
+    def save(self) -> tuple[Path, Path]:
+        r = self.report
+        r["goal"] = goal_summary(r)
+        r["ok"] = (r.get("complete", False) and r.get("tests", {}).get("status") in ("passed", "not run")
+                   and not r["errors"]
+                   and r.get("sanitizer", {}).get("status") != "failed"
+                   and all(c.get("ok") for c in r.get("compare", [])))
+        r["seconds"] = round(time.perf_counter() - self.t0, 2)
+        return write_report(self.outdir, r)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -172,13 +241,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sim-smoke", action="store_true",
                     help="run every stage at toy sizes on the CPU simulator (checks the script, measures nothing)")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--test-timeout", type=int, default=150)
+    ap.add_argument("--budget", type=float, default=530.0, help="seconds the stages may spend in all")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    t_start = time.perf_counter()
     args.outdir.mkdir(parents=True, exist_ok=True)
     try:
         rt = runtime.get_runtime("sim" if args.sim_smoke else "cupy")
@@ -186,31 +254,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: no usable GPU: {e}\n(run it on the lent GPU machine: bash benchmarks/gpu_check.sh OUTDIR; "
               "or try the script here with --sim-smoke)", file=sys.stderr)
         return 2
-    report: dict = {"device": device_info(rt), "errors": []}
-    print(json.dumps(report["device"]), flush=True)
-
-    if args.skip_tests or args.sim_smoke:
-        report["tests"] = {"status": "not run", "reason": "--sim-smoke/--skip-tests (CI runs them on the simulator)"}
-    else:
-        report["tests"] = run_tests(args.outdir, args.test_timeout)
-    print("tests:", report["tests"], flush=True)
-
-    try:
-        report["compare"] = run_compares(rt, args.model, args.sim_smoke)
-    except Exception as e:
-        report["compare"] = [{"error": f"{type(e).__name__}: {e}"}]
-        report["errors"].append("compare: " + traceback.format_exc(limit=3))
+    run, smoke = Run(args.outdir, args.budget), args.sim_smoke
+    rep = run.report
+    rep["device"] = run.stage("device", lambda: device_info(rt)) or {"backend": rt.name}
+    print(json.dumps(rep["device"]), flush=True)
+    timer = Timer(rt, warmup=1, repeats=3, batch=2) if smoke else Timer(rt)
+    rep["copy"] = run.stage("copy", lambda: copy_bandwidth(rt, (1 << 20) if smoke else (2 << 30), timer)) or {}
+    print("copy:", rep["copy"].get("gb_per_s"), "GB/s", flush=True)
+    rep["attention"] = []
+    rng = np.random.default_rng(0)
+    for case in SMOKE_CASES if smoke else FULL_CASES:
+        run.stage(f"attention {case.name} {case.dtype}", lambda c=case: run_case(rep, rt, c, timer, rng),
+                  need_s=0 if smoke or case is GOAL_CASE else 200)
+    rep["compare"] = run.stage("compare", lambda: run_compares(rt, args.model, smoke), need_s=0 if smoke else 120)
+    rep["compare"] = rep["compare"] or [{"error": "compare did not run (see stages)", "ok": False}]
     print("compare:", [{k: c.get(k) for k in ("cache", "cache_dtype", "fused", "max_abs_logit_diff", "tokens_agree")}
-                       for c in report["compare"]], flush=True)
-
-    run_timings(report, rt, args.sim_smoke)
-    report["ok"] = (report["tests"].get("status") in ("passed", "not run") and not report["errors"]
-                    and all(c.get("ok") for c in report["compare"]))
-    report["seconds"] = time.perf_counter() - t_start
-    js, md = write_report(args.outdir, report)
-    print(format_markdown(report))
-    print(f"wrote {js} and {md}")
-    return 0 if report["ok"] else 1
+                       for c in rep["compare"]], flush=True)
+    # the sanitizer only where it leaves the tests at least 150 s; it gets at most 100 s itself
+    rep["sanitizer"] = run.stage("sanitizer", lambda: run_sanitizer(args.outdir, min(100.0, run.left() - 150), smoke),
+                                 need_s=0 if smoke else 200) or {"status": "not run", "reason": "budget"}
+    print("sanitizer:", rep["sanitizer"], flush=True)
+    if args.skip_tests:
+        rep["tests"] = {"status": "not run", "reason": "--skip-tests"}
+    else:  # last: the long stage gets what remains
+        rep["tests"] = run.stage("tests", lambda: run_tests(args.outdir, run.left() - 10, smoke),
+                                 need_s=0 if smoke else 30) or {"status": "not run", "reason": "budget"}
+    print("tests:", rep["tests"], flush=True)
+    rep["complete"] = True  # every stage ran or was skipped; a run cut short by `timeout 560` lacks this
+    js, md = run.save()
+    print(format_markdown(rep))
+    print(f"wrote {js} and {md} in {rep['seconds']:.1f} s")
+    return 0 if rep["ok"] else 1
 
 
 if __name__ == "__main__":

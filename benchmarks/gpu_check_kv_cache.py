@@ -1,5 +1,6 @@
 """GPU check, step 2: the contiguous cache's decode attention (``minikv_gpu.kv_cache``), checked against
-NumPy, then timed: the automatic choice, unsplit v1, the fused kernel, a split sweep and torch SDPA."""
+NumPy, then timed: the automatic choice, v1, v2 and v3 explicitly, the fused kernel, split sweeps of v2
+and v3, and every torch SDPA backend."""
 
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ def _reference_out(rt, cache, q, k_new, v_new, case: AttnCase, sample: int) -> n
 
 
 def time_decode_attention(rt, case: AttnCase, timer: Timer, copy_gbs: float, rng, extra: dict | None = None) -> dict:
-    """Check then time the contiguous cache's decode attention and torch SDPA. Keys: "v1" the automatic
-    choice (decode_attention_v1, or decode_attention_v2 + attention_reduce_v2 when it splits), "v1 unsplit"
-    decode_attention_v1, "v2 fused" rope_write_attend_v1/v2 (the fused kernel, automatic split).
+    """Check then time the contiguous cache's decode attention and torch SDPA. Variants: "auto" (the
+    cache's choice: v3 for decode), "v1" (decode_attention_v1, one range), "v2" (decode_attention_v2 +
+    attention_reduce_v2, automatic splits), "v3" (decode_attention_v3, about one wave), "fused"
+    (rope_write_attend_v1/v2, automatic). Each entry: median time, bandwidth, fraction of the copy.
 
     ``extra``: name -> stage(rt, case, caches, qd, kd, vd, timer, copy_gbs), run on the same filled caches
     while the decode step is open (the driver passes the paged stage as "paged"); a stage's exception is
@@ -68,25 +70,29 @@ def time_decode_attention(rt, case: AttnCase, timer: Timer, copy_gbs: float, rng
            "cache_dtype": case.dtype, "min_bytes": case.min_bytes(), "input_sets": n_sets}
     want = _reference_out(rt, caches[0], q, k_new, v_new, case, sample=4)
     variants = {
-        "v1": [c.prepare_attend(0, qd) for c in caches],
-        "v1 unsplit": [c.prepare_attend(0, qd, num_splits=1) for c in caches],
-        "v2 fused": [c.prepare_rope_write_attend(0, qd, kd, vd, ones, zeros, "half") for c in caches],
+        "auto": [c.prepare_attend(0, qd) for c in caches],
+        "v1": [c.prepare_attend(0, qd, version=1) for c in caches],
+        "v2": [c.prepare_attend(0, qd, version=2) for c in caches],
+        "v3": [c.prepare_attend(0, qd, version=3) for c in caches],
+        "fused": [c.prepare_rope_write_attend(0, qd, kd, vd, ones, zeros, "half") for c in caches],
     }
-    row["splits"] = variants["v1"][0].splits
     for name, fns in variants.items():
         got = rt.asnumpy(fns[0]())[: want.shape[0]]
         err = rel_err(got, want)
         if not err <= ATTN_RTOL[np.dtype(case.dtype).type]:
             raise AssertionError(f"{case.name} {name}: relative error {err:.2e} against NumPy")
         t = timer.median_ms(fns)
-        row[name] = {**t, "rel_err": err, **bandwidth(case, t, copy_gbs)}
+        row[name] = {**t, "rel_err": err, "version": fns[0].version, "splits": fns[0].splits,
+                     **bandwidth(case, t, copy_gbs)}
+    row["splits"] = row["auto"]["splits"]
     # the split count's effect, to tune minikv_gpu.kv_cache.BLOCKS_PER_SM (automatic choice above)
-    row["split_sweep_ms"] = {}
-    for n in SPLIT_SWEEP:
-        fns = [c.prepare_attend(0, qd, num_splits=n) for c in caches]
-        if fns[0].splits == n:  # requests beyond one split per tile are clamped: skip duplicates
-            row["split_sweep_ms"][n] = timer.median_ms(fns)["median_ms"]
-    row["torch_sdpa"] = time_torch_sdpa(rt, caches, q, case, timer, copy_gbs)
+    for key, version in (("split_sweep_ms", 2), ("v3_split_sweep_ms", 3)):
+        row[key] = {}
+        for n in SPLIT_SWEEP:
+            fns = [c.prepare_attend(0, qd, version=version, num_splits=n) for c in caches]
+            if fns[0].splits == n:  # requests beyond one split per tile are clamped: skip duplicates
+                row[key][n] = timer.median_ms(fns)["median_ms"]
+    row["torch_sdpa"] = time_torch_sdpa(rt, caches, q, case, timer, copy_gbs, ours=variants["v1"][0]())
     for name, stage in (extra or {}).items():
         try:
             row[name] = stage(rt, case, caches, qd, kd, vd, timer, copy_gbs)

@@ -1,6 +1,7 @@
 """GPU check, step 3: paged decode attention (``minikv_gpu.paged``) on the contiguous stage's histories
-copied into paged caches: v1, v2 (split-K) and the automatic choice, each checked against the contiguous
-kernel's output, and torch SDPA on the history gathered back out of the blocks."""
+copied into paged caches: v1, v2 (split-K), v3 (register-resident) and the automatic choice, each checked
+against the contiguous kernel's output, and every torch SDPA backend on the history gathered back out of
+the blocks."""
 
 from __future__ import annotations
 
@@ -52,13 +53,13 @@ def _paged_copy(rt, case: AttnCase, contiguous, kd, vd):
 
 
 def time_paged_decode_attention(rt, case: AttnCase, caches, qd, kd, vd, timer: Timer, copy_gbs: float) -> dict:
-    """Time paged_decode_attention v1, v2 and the automatic choice on ``caches``' histories copied into
+    """Time paged_decode_attention v1, v2, v3 and the automatic choice on ``caches``' histories copied into
     paged caches; each must equal the contiguous decode kernel's output (<= ATTN_RTOL relative)."""
-    want = rt.asnumpy(caches[0].prepare_attend(0, qd, num_splits=1)())
+    want = rt.asnumpy(caches[0].prepare_attend(0, qd, version=1)())
     copies = [_paged_copy(rt, case, c, kd, vd) for c in caches]
     paged = [c for c, _, _ in copies]
     res = {"block_size": PAGED_BLOCK_SIZE}
-    for name, version in (("v1", 1), ("v2", 2), ("auto", None)):
+    for name, version in (("v1", 1), ("v2", 2), ("v3", 3), ("auto", None)):
         fns = [c.prepare_attend(0, qd, version=version) for c in paged]
         got = rt.asnumpy(fns[0]())
         err = rel_err(got, want)

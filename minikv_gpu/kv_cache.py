@@ -12,13 +12,22 @@ is the constructor: the device storage comes in through its storage hook
   whole GQA group shares every K/V tile it loads; or ``decode_attention_v2``
   (split-K: long histories split into ranges that run in parallel, merged by
   the shared ``attention_reduce_v2``);
+  or ``decode_attention_v3`` (decode steps: K/V straight into registers, the GQA group's
+  queries in registers, ``kernels/decode_v3.cuh``);
 * ``rope_write_attend`` -> ``rope_write_attend_v1`` / ``_v2``: the fused kernel (RoPE
   on q and k, cache write and attention in one launch) for decode steps.
 
 ``version`` (the cache's, or per call) means what it means for ``minikv_gpu.paged``:
-1 = one block per (token, KV head), 2 = split-K + reduce, None = choose per step. The
-choice here: ``num_splits`` ranges (None = automatic: ``BLOCKS_PER_SM`` blocks per
-multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per range), v1 when that is one.
+1 = one block per (token, KV head), 2 = split-K + reduce, 3 = the register-resident
+decode kernel, None = choose per step. The choice here: v3 on a decode step it can serve
+(``v3_refusal``: one new token per sequence, at most ``V3_MAX_GROUP`` query heads per KV
+head, head_dim a power of two); otherwise ``num_splits`` ranges (None = automatic:
+``BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per
+range), v1 when that is one. v3 splits the same way, with the split count nearest one
+wave of its own blocks (``v3_blocks_per_sm``). v3 is decode-only: a call's explicit ``version=3`` on a
+step with more than one new token for some sequence raises ``InvalidInputError`` (and
+``ConfigError`` for a group or head_dim it cannot serve, or for the fused op); the
+cache's ``version=3`` is a policy, so such steps fall back to the automatic v1/v2.
 
 The cache stores float32 or float16 (``dtype``); attention always computes in
 float32, exactly as the NumPy cache casts what it reads to the query's dtype.
@@ -44,10 +53,56 @@ from minikv_gpu.runtime import (
     multiprocessors,
 )
 
-__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
+__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM", "V3_MAX_GROUP",
+           "resolve_version", "v3_blocks_per_sm", "v3_defines", "v3_refusal"]
 
 KEY_TILE = 32             # keys per tile in kv_cache.cu; split boundaries are multiples of it
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its parallelism
+
+
+# --- v3, the register-resident decode kernel (kernels/decode_v3.cuh); shared with minikv_gpu.paged ------
+
+V3_MAX_GROUP = 8  # query heads per KV head that v3 keeps in registers
+
+
+def v3_refusal(group: int, head_dim: int, decode: bool, fused: bool = False) -> tuple[type, str] | None:
+    """Why v3 cannot serve a launch, as (error type, message); None when it can."""
+    if fused:
+        return ConfigError, "the fused rope_write_attend has versions 1 and 2 only (v3 is decode attention)"
+    if not decode:
+        return InvalidInputError, ("version=3 is a decode kernel (one new token per sequence) and this step has "
+                                   "a sequence with more; use version 1, 2 or None (which falls back)")
+    if group > V3_MAX_GROUP:
+        return ConfigError, f"version=3 keeps at most {V3_MAX_GROUP} query heads per KV head in registers, got {group}"
+    if head_dim & (head_dim - 1):
+        return ConfigError, f"version=3 needs head_dim a power of two (D/8 lanes per key), got {head_dim}"
+    return None
+
+
+def resolve_version(requested, default, refusal) -> int | None:
+    """The version to run (None: v1/v2 by the split rule). A call's ``requested`` version wins over the
+    cache's ``default``. 3, or None, runs v3 where ``refusal`` is None; otherwise an explicit request
+    for 3 raises the refusal, and the cache's default of 3 falls back to the automatic choice (a cache
+    serves prefill steps too)."""
+    explicit = requested is not None
+    version = check_version(requested if explicit else default)
+    if version not in (None, 3):
+        return version
+    if refusal is None:
+        return 3
+    if explicit and version == 3:
+        raise refusal[0](refusal[1])
+    return None
+
+
+def v3_blocks_per_sm(group: int) -> int:
+    """Resident v3 blocks per multiprocessor (decode_v3.cuh's V3_BLOCKS_PER_SM): the one-wave target."""
+    return 2 if group > 4 else 4
+
+
+def v3_defines(defines: dict, group: int) -> dict:
+    """A cache's compile-time defines plus the group size v3 is specialised to."""
+    return {**defines, "GQA_GROUP": int(group)}
 
 
 def _check_num_splits(num_splits):
@@ -93,7 +148,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     NumPy class's (inherited, constructor included); this class owns the device
     storage (``_new_buffer``), ``write``, ``attend`` and the fused ``rope_write_attend``.
 
-    ``version`` (None, 1 or 2; see the module docstring) and ``num_splits`` (``None`` =
+    ``version`` (None, 1, 2 or 3; see the module docstring) and ``num_splits`` (``None`` =
     automatic) choose the attention kernel and how many ranges a sequence's history
     is split into. Automatic aims for ``BLOCKS_PER_SM`` blocks per multiprocessor and
     at least ``MIN_KEYS_PER_SPLIT`` keys per range; the simulator counts as one
@@ -217,51 +272,65 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
                               f"head and {STATIC_SMEM_LIMIT} bytes are supported")
         return device_f32(self.rt, q, "q")
 
-    def _splits(self, requested: int | None, n_blocks: int) -> tuple[int, int]:
-        """(n_splits, keys_per_split) for a launch of ``n_blocks`` (token, KV head) pairs."""
+    def _splits(self, requested: int | None, n_blocks: int, per_sm: int = BLOCKS_PER_SM,
+                nearest: bool = False) -> tuple[int, int]:
+        """(n_splits, keys_per_split) for a launch of ``n_blocks`` (token, KV head) pairs; automatic:
+        at least ``per_sm`` blocks per multiprocessor (v2), or the split count nearest one wave of
+        them (``nearest``, v3: 512 blocks on 528 slots stay unsplit rather than make two waves)."""
         max_keys = self._dev["max_keys"]
         want = requested if requested is not None else self.num_splits
         if want is None:
-            target = BLOCKS_PER_SM * multiprocessors(self.rt)
-            want = min(-(-target // n_blocks), -(-max_keys // MIN_KEYS_PER_SPLIT))
+            target = per_sm * multiprocessors(self.rt)
+            waves = (target + n_blocks // 2) // n_blocks if nearest else -(-target // n_blocks)
+            want = min(max(1, waves), -(-max_keys // MIN_KEYS_PER_SPLIT))
         want = max(1, min(int(want), -(-max_keys // KEY_TILE)))  # never an empty split on the longest sequence
         per = -(-max_keys // want)
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
         return -(-max_keys // per), per
 
-    def _choose(self, version, num_splits, n_blocks: int) -> tuple[int, int, int]:
+    def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool) -> tuple[int, int, int]:
         """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
-        automatic); None: v2 when the split count comes out above 1."""
-        version = check_version(version if version is not None else self.version)
+        automatic); v3 (decode steps; see ``resolve_version``) splits the same way, aiming at one
+        wave of its own blocks; None without v3: v2 when the split count comes out above 1."""
+        refusal = v3_refusal(group, self.head_dim, self._dev["decode"], fused)
+        version = resolve_version(version, self.version, refusal)
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
                               "needs version=2 (or None)")
-        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
+        per_sm = v3_blocks_per_sm(group) if version == 3 else BLOCKS_PER_SM
+        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks, per_sm, nearest=version == 3)
         return version or (2 if splits > 1 else 1), splits, per
 
     def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits):
         rt, xp = self.rt, self.rt.xp
         n, hq, d = q.shape
         group = hq // self.num_kv_heads
-        version, splits, per = self._choose(version, num_splits, n * self.num_kv_heads)
+        version, splits, per = self._choose(version, num_splits, n * self.num_kv_heads, group,
+                                            op == "rope_write_attend")
         out = xp.empty((n, hq, d), dtype=np.float32)
         head = (q,) + extra + (self.k, self.v, self._dev["slot"], self._dev["pos"])
         sizes = (np.int32(layer), np.int32(hq), np.int32(self.num_kv_heads), np.int32(self.max_seqs),
                  np.int32(self.max_len))
         scale = np.float32(1.0 / np.sqrt(d))
-        kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=self.defines)
-        grid = (n, self.num_kv_heads, splits)
+        grid, block, smem = (n, self.num_kv_heads, splits), (32 * group,), 4 * group * d
+        defines = v3_defines(self.defines, group) if version == 3 else self.defines
+        kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=defines)
+        reduce = None
         if version == 1:
-            args, reduce = head + (out,) + sizes + (scale,), None
+            args = head + (out,) + sizes + (scale,)
         else:
-            parts = (xp.empty((n, hq, splits), dtype=np.float32), xp.empty((n, hq, splits), dtype=np.float32),
-                     xp.empty((n, hq, splits, d), dtype=np.float32))
-            args = head + parts + sizes + (np.int32(per), np.int32(splits), scale)
-            reduce = rt.kernel("kv_cache", "attention_reduce_v2", defines=self.defines)
-            reduce_args = parts + (self._dev["pos"], out, np.int32(hq), np.int32(per), np.int32(splits))
+            shape = (n, hq, splits) if splits > 1 or version == 2 else (1, 1, 1)  # v3 unsplit: unused
+            parts = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
+                     xp.empty(shape + (d,), dtype=np.float32))
+            args = head + ((out,) if version == 3 else ()) + parts + sizes + (np.int32(per), np.int32(splits), scale)
+            if version == 3:
+                block, smem = (128,), 0  # decode_v3.cuh: 4 warps, static shared memory only
+            if splits > 1 or version == 2:
+                reduce = rt.kernel("kv_cache", "attention_reduce_v2", defines=self.defines)
+                reduce_args = parts + (self._dev["pos"], out, np.int32(hq), np.int32(per), np.int32(splits))
 
         def launch():
-            kern(grid, (32 * group,), args, shared_mem=4 * group * d)
+            kern(grid, block, args, shared_mem=smem)
             if reduce is not None:
                 reduce((n, hq), (32,), reduce_args)
             return out

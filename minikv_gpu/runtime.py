@@ -316,14 +316,16 @@ def default_runtime() -> Runtime:
 
 # --- device helpers shared by the step modules ------------------------------------------------
 
-VERSIONS = (1, 2)  # attention kernel versions of both GPU caches: 1 one block per (token, KV head), 2 split-K
+VERSIONS = (1, 2, 3)  # attention kernel versions of both GPU caches: 1 one block per (token, KV head), 2 split-K,
+#                       3 the register-resident decode kernel (decode steps only; kernels/decode_v3.cuh)
 
 
 def check_version(version):
-    """A cache's ``version=`` knob (the same in ``kv_cache`` and ``paged``): None (choose per step), 1 or 2."""
+    """A cache's ``version=`` knob (the same in ``kv_cache`` and ``paged``): None (choose per step), 1, 2 or 3."""
     if version is not None and (isinstance(version, bool) or version not in VERSIONS):
-        raise ConfigError(f"version={version!r}; attention has versions 1 (one block per token and KV head) "
-                          "and 2 (split-K partitions + reduce), or None to choose per step")
+        raise ConfigError(f"version={version!r}; attention has versions 1 (one block per token and KV head), "
+                          "2 (split-K partitions + reduce) and 3 (register-resident decode), or None to choose "
+                          "per step")
     return version
 
 

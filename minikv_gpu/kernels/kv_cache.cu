@@ -10,7 +10,8 @@
 // token n's K/V go to position pos[n], and its query sees positions 0 .. pos[n].
 //
 // Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per
-// (token, KV head) over the whole history, v2 split-K + the shared reduce, v3 reserved):
+// (token, KV head) over the whole history, v2 split-K + the shared reduce, v3 the
+// register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
 //   cache_write_v1          append the step's new K/V rows
 //   decode_attention_v1     attention of the step's queries over the cache, one block per
 //                           (token, KV head) (RoPE and the cache write are separate launches)
@@ -20,6 +21,9 @@
 //                           and k + cache write + attention in one launch, one block per
 //                           (token, KV head)
 //   rope_write_attend_v2    the fused kernel, split-K (+ attention_reduce_v2)
+//   decode_attention_v3     decode attention with K/V loaded straight into registers (16-byte
+//                           loads, D/8 lanes per key, the GQA group's queries in registers, no
+//                           barrier in the key loop); split count nearest one wave (+ the reduce)
 //   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
 // The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
 // and paged.cu.
@@ -32,6 +36,21 @@
 //   v2  split-K (flash-decoding, vLLM's v2): a decode step with few sequences still fills the GPU.
 //   rope_write_attend_v1/v2 were decode_attention_v2 (one kernel, split by grid z): "fused" is an
 //       op of its own, not a version of decode attention.
+//   v3  register-resident decode (decode_v3.cuh), for decode steps. Why: v1/v2 stage K/V in shared
+//       memory as fp32 and read one 4-byte word back per multiply-add; from the ptxas report that caps
+//       them near 45% of the H200's copy bandwidth whatever the split count (prediction: fp16 and fp32
+//       caches take about the same time there). v3 reads each K/V element once from HBM into registers:
+//       bytes per key and KV head 2*D*sizeof(CACHE_T) (D=128: 512 fp16, 1024 fp32); each 16-byte fp16
+//       load feeds 8*G multiply-adds (2*G*D FMAs per key: 2 FMA/byte at G=4 fp16); per lane 2*UNROLL
+//       16-byte loads in flight before the first use (fp16 G<=4: 4 keys, 128 B; 16 warps per SM: 64 KB
+//       in flight per SM against ~25 KB by Little's law at 4.8 TB/s and ~0.7 us). Expected on an H200,
+//       goal case (B=64, S=4096, 32/8 heads, D=128, fp16: 1.07 GB of K/V): 512 blocks, one wave of
+//       4 per SM, no split, >= 85% of the measured copy (~260 us at 4.1 TB/s); fp32 about twice fp16's
+//       time. Risk: issue slots (~66 warp-instructions per key, about half the memory time).
+//       ptxas (nvcc 13.0, sm_80/sm_90, D 64/128, fp32/fp16, G 1/3/4/8): decode_attention_v3 64-72
+//       registers at G=1, 106-125 at G=3, 118-128 at G=4 (capped by __launch_bounds__(128, 4)),
+//       205-245 at G=8 (__launch_bounds__(128, 2)); 0 spills, no stack frame; NVRTC compiles every
+//       define set. No GPU has run it yet.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
 //   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
@@ -41,10 +60,11 @@
 // Offsets into the cache are computed in 64-bit: L*max_seqs*Hkv*max_len*D passes 2^31
 // easily (30 layers * 64 seqs * 3 heads * 8192 positions * 64 dims = 3.0e9).
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
+#include "decode_v3.cuh"     // decode_v3::attend (the v3 kernels)
 
 // Element offset of cache[layer, slot, head, 0, 0], in 64 bits.
 __device__ __forceinline__ long long cache_offset(int layer, int slot, int head, int max_seqs, int n_kv_heads,
@@ -255,4 +275,35 @@ extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw,
     const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
     cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
                     n_splits);
+}
+
+// ---------------------------------------------------------------------------
+// decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z) attends
+// the GQA_GROUP queries of token n, KV head h, over keys [z*keys_per_split, (z+1)*keys_per_split)
+// ∩ [0, pos[n]], K and V loaded straight into registers with 16-byte loads (D/8 lanes per key),
+// no shared-memory staging and no barrier in the key loop. n_splits == 1: out is written
+// normalized; else split partials (split_k.cuh's layout, natural-log m) for attention_reduce_v2.
+//
+//   q: [N, Hq, D] float32, already rotated; Hq = GQA_GROUP * Hkv (compile-time group size)
+//   part_m, part_l: [N, Hq, Z], part_acc: [N, Hq, Z, D] float32 (Z = n_splits; unused when 1)
+//   grid  = (N, Hkv, Z)   splits past a token's history leave at once (write nothing)
+//   block = (128)         4 warps; lane group of D/8 lanes per key (see decode_v3.cuh)
+//   shared: static 4*G*(D+2) floats for the one cross-warp merge; no dynamic shared memory
+//   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (each K/V element
+//          once per GQA group), writes 4*N*Hq*D (unsplit) or 4*N*Hq*Zu*(D+2) partials.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void V3_LAUNCH_BOUNDS decode_attention_v3(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
+                                               const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
+                                               const int* __restrict__ pos, float* __restrict__ out,
+                                               float* __restrict__ part_m, float* __restrict__ part_l,
+                                               float* __restrict__ part_acc, int layer, int n_heads, int n_kv_heads,
+                                               int max_seqs, int max_len, int keys_per_split, int n_splits,
+                                               float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
+    if (c.k_begin >= c.k_end) return;  // the whole block leaves together, before the one barrier
+    decode_v3::State s = decode_v3::attend(q + c.q_base, k_cache, v_cache, DenseRows{c.head_base}, c.k_begin,
+                                           c.k_end, scale);
+    const long long row0 = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // (n, h*G)
+    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row0, (int)blockIdx.z, n_splits});
 }

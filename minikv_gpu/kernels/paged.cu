@@ -11,12 +11,15 @@
 // kernel reads a sequence's history through its block table, one table entry per block_size keys.
 //
 // Kernels (<op>_v<N>, vLLM's names; the same N means the same idea in every .cu: v1 one block
-// per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 reserved):
+// per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 the
+// register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
 //   reshape_and_cache           write the step's new K/V rows through the slot mapping
 //   paged_decode_attention_v1   one thread block per (query token, KV head) walks the whole context
 //   paged_decode_attention_v2   split-K: one thread block per (query token, KV head, partition)
 //   attention_reduce_v2         split_k.cuh's, shared with kv_cache.cu: merges v2's partitions,
 //                               rescaling each by exp(m_i - m)
+//   paged_decode_attention_v3   decode attention with K/V read through the block table straight
+//                               into registers (decode_v3.cuh); split count nearest one wave
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
 // as in attention.cu and kv_cache.cu.
@@ -27,6 +30,16 @@
 //   v2  split-K (vLLM's v2, flash-decoding). Its partitions used to write partials normalized by
 //       their own sum, merged by paged_attention_reduce_v2 with weights exp(m_i - m) * l_i; they
 //       now write split_k.cuh's unnormalized (m, l, acc), merged by the shared attention_reduce_v2.
+//   v3  register-resident decode (decode_v3.cuh; kv_cache.cu's log has the reasoning): no shared-memory
+//       staging, each key's row looked up in the block table by its lane group (one broadcast 4-byte
+//       load per key, L1 after the first of a block), 16-byte loads of K/V straight into registers,
+//       all G queries of the group in registers, no barrier in the key loop; the grid splits into
+//       whole partitions, as many as bring N*Hkv blocks nearest one wave (4 per SM for G <= 4, 2 above).
+//       Expected on an H200: as kv_cache.cu's decode_attention_v3 (>= 85% of the copy on the goal
+//       case), the table lookups costing a few percent (a shift and a mask per key and lane for a
+//       power-of-two block size, an integer division otherwise).
+//       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-128 at G=3, 122-128
+//       at G=4, 209-239 at G=8; 0 spills, no stack frame; NVRTC compiles. No GPU has run it yet.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
 //   v2 31-43 (before the shared core: 32-48 both), attention_reduce_v2 31-32 (the old
@@ -45,10 +58,11 @@
 // block's previous owner left (possibly NaN). They are never read: a tile's rows past the
 // context are zero-filled instead (attend_tiles.cuh), since 0 * NaN = NaN would poison the sum.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
+#include "decode_v3.cuh"     // decode_v3::attend (the v3 kernels)
 
 // ---------------------------------------------------------------------------
 // reshape_and_cache: pool[slot_mapping[n], h, :] = new[n, h, :] for K and V of one layer.
@@ -210,4 +224,58 @@ extern "C" __global__ void copy_blocks(const cache_t* src_k, const cache_t* src_
         dk[i] = sk[i];
         dv[i] = sv[i];
     }
+}
+
+// Rows of one sequence and KV head through its block table, looked up per key by each lane
+// (decode_v3.cuh's Rows: no shared memory, no barrier). The lanes of a subgroup read the same
+// table entry (one broadcast load, from L1 after the first key of the block). A power-of-two
+// block size (16, the usual) takes a shift and a mask instead of an integer division, which
+// costs some 20 instructions per key and lane (block_shift = -1 otherwise; a uniform branch).
+struct PagedRowsV3 {
+    const int* table;  // block_tables[token_seq[n]]
+    int block_size, block_shift;
+    long long slot_stride, head_offset;  // Hkv*D, h*D
+    __device__ __forceinline__ long long operator()(int key) const {
+        const int blk = block_shift >= 0 ? key >> block_shift : key / block_size;
+        const int off = block_shift >= 0 ? key & (block_size - 1) : key - blk * block_size;
+        const long long slot = (long long)table[blk] * block_size + off;
+        return slot * slot_stride + head_offset;
+    }
+};
+
+// ---------------------------------------------------------------------------
+// paged_decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z)
+// attends the GQA_GROUP queries of token n, KV head h, over keys [z*keys_per_split,
+// (z+1)*keys_per_split) ∩ [0, token_pos[n]] of sequence token_seq[n], read through its block
+// table straight into registers (16-byte loads, D/8 lanes per key), no barrier in the key loop.
+// n_splits == 1: out is written normalized; else split partials for attention_reduce_v2.
+//
+//   q, pools, block_tables, token_seq, token_pos: as v1; Hq = GQA_GROUP * Hkv
+//   part_m, part_l: [N, Hq, Z], part_acc: [N, Hq, Z, D] float32 (unused when n_splits == 1)
+//   grid  = (N, Hkv, Z)   splits past a token's context leave at once (write nothing)
+//   block = (128)         4 warps (decode_v3.cuh); static shared 4*G*(D+2) floats, no dynamic
+//   bytes: v1's K/V/q reads, + 4 bytes of block table per key and lane group (L1 hits after the
+//          first per block), writes 4*N*Hq*D (unsplit) or 4*N*Hq*Zu*(D+2) partials.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void V3_LAUNCH_BOUNDS paged_decode_attention_v3(const float* __restrict__ q, const cache_t* __restrict__ k_pool,
+                                                     const cache_t* __restrict__ v_pool,
+                                                     const int* __restrict__ block_tables,
+                                                     const int* __restrict__ token_seq,
+                                                     const int* __restrict__ token_pos, float* __restrict__ out,
+                                                     float* __restrict__ part_m, float* __restrict__ part_l,
+                                                     float* __restrict__ part_acc, int n_heads, int n_kv_heads,
+                                                     int block_size, int max_blocks, int keys_per_split,
+                                                     int n_splits, float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
+    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+    const int k_begin = z * keys_per_split;
+    const int k_end = min(token_pos[n] + 1, k_begin + keys_per_split);
+    if (k_begin >= k_end) return;  // the whole block leaves together, before the one barrier
+    const long long row0 = (long long)n * n_heads + (long long)h * GQA_GROUP;  // (n, h*G)
+    const int block_shift = __popc((unsigned)block_size) == 1 ? __ffs(block_size) - 1 : -1;
+    const PagedRowsV3 rows{block_tables + (long long)token_seq[n] * max_blocks, block_size, block_shift,
+                           (long long)n_kv_heads * HEAD_DIM, (long long)h * HEAD_DIM};
+    decode_v3::State s = decode_v3::attend(q + row0 * HEAD_DIM, k_pool, v_pool, rows, k_begin, k_end, scale);
+    const long long row = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // row0, recomputed
+    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row, (int)blockIdx.z, n_splits});
 }

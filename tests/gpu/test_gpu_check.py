@@ -47,21 +47,38 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is True and report["errors"] == []
     assert report["device"]["backend"] == "sim"
+    assert set(report["stages"]) >= {"device", "copy", "compare", "sanitizer", "tests"}
+    assert list(report["stages"])[-1] == "tests"  # the long stage runs last
+    assert all(s["status"] == "done" for s in report["stages"].values()), report["stages"]
+    assert report["tests"]["status"] == "passed" and "1 passed" in report["tests"]["summary"]
+    assert (tmp_path / "pytest.log").is_file() and report["sanitizer"]["status"] == "not run"
     assert len(report["compare"]) == 4 and all(c["tokens_agree"] for c in report["compare"])
     assert report["compare"][3]["cache"] == "paged"
     assert report["copy"]["gb_per_s"] > 0
+    assert report["attention"][0]["case"].startswith("goal") and report["attention"][0]["heads"] == "32/8"
     for row in report["attention"]:
-        for variant in ("v1", "v1 unsplit", "v2 fused"):
+        for variant, version in (("auto", 3), ("v1", 1), ("v2", 2), ("v3", 3), ("fused", None)):
             assert row[variant]["rel_err"] <= 1e-5 and row[variant]["median_ms"] > 0
-        assert row["min_bytes"] > 0
-        paged = row["paged"]  # step 3: paged v1/v2 against the contiguous kernel, and SDPA on the gathered data
-        for variant in ("v1", "v2", "auto"):
+            assert version is None or row[variant]["version"] == version
+        assert row["min_bytes"] > 0 and row["v3_split_sweep_ms"] and row["split_sweep_ms"]
+        paged = row["paged"]  # step 3: paged v1/v2/v3 against the contiguous kernel, SDPA on the gathered data
+        for variant in ("v1", "v2", "v3", "auto"):
             assert paged[variant]["rel_err"] <= 1e-5 and paged[variant]["median_ms"] > 0
-        assert paged["v2"]["version"] == 2
-        assert paged["torch_sdpa_gathered"]["rel_err_vs_ours"] <= 1e-2  # a float16 case: SDPA rounds q and out
+        assert (paged["v2"]["version"], paged["v3"]["version"]) == (2, 3)
+        for sdpa in (row["torch_sdpa"], paged["torch_sdpa_gathered"]):
+            assert set(sdpa["backends"]) == {"default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"}
+            assert all("median_ms" in e or "error" in e for e in sdpa["backends"].values())
+            assert sdpa["backends"]["default"]["rel_err_vs_ours"] <= 1e-2  # float16 q and out
+        ratios = row["ratios"]
+        assert ratios["v3_of_copy"] > 0 and ratios["paged_v3_vs_v1"] > 0 and ratios["v3_vs_best_sdpa"] > 0
+    goal = report["goal"]
+    assert goal["met"] is None and goal["v3_of_copy"] > 0 and goal["targets"]["v3_of_copy"] == 0.85
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| smoke gqa3 |" in md and "device-to-device copy" in md and "## paged decode attention" in md
-    assert capsys.readouterr().out.rstrip().endswith("gpu_check.md")
+    assert "goal (" in md and "## torch SDPA backends" in md
+    out = capsys.readouterr().out.rstrip()
+    assert out.endswith(" s") and "gpu_check.md" in out.splitlines()[-1]
+    print(f"sim smoke: {report['seconds']:.1f} s")  # must stay fast: CI runs it
 
 
 def test_markdown_reports_failures():
@@ -69,7 +86,8 @@ def test_markdown_reports_failures():
               "tests": {"status": "failed", "summary": "1 failed, 9 passed"},
               "compare": [{"error": "ValueError: boom"}],
               "copy": {"gb_per_s": 4300.0, "bytes": 2 << 31},
-              "attention": [{"case": "llama8b", "error": "AssertionError: relative error 1e-2"}],
+              "attention": [{"case": "llama8b", "cache_dtype": "float16",
+                             "error": "AssertionError: relative error 1e-2"}],
               "errors": ["compare: Traceback ..."]}
     md = gpu_check.format_markdown(report)
     assert "**FAIL**" in md and "1 failed, 9 passed" in md and "boom" in md

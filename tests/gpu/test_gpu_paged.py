@@ -183,7 +183,7 @@ def test_paged_attention_rejects_what_the_reference_rejects(rt):
     with pytest.raises(InvalidInputError, match="query_lens"):
         gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, [2, 1], runtime=rt)
     with pytest.raises(ConfigError, match="version"):
-        gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, version=3, runtime=rt)
+        gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, version=4, runtime=rt)
     with pytest.raises(ConfigError, match="partition_size"):
         gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, partition_size=48, runtime=rt)
     with pytest.raises(ConfigError, match="blocks_per_tile"):
@@ -209,7 +209,7 @@ def test_full_size_paged_decode(cupy_rt, heads, dtype):
     batch = PagedBatch(np.random.default_rng(4), [4097, 1, 31, 33, 1000, 2048, 4000, 257], [1] * 8, 16, hq, hkv, d,
                        dtype=dtype)
     want = batch.reference()
-    for version in (1, 2, None):
+    for version in (1, 2, 3, None):
         assert rel_err(batch.run(cupy_rt, version=version), want) <= RTOL
 
 

@@ -67,6 +67,18 @@ def test_no_stack_frame_in_attention_kernels(rows):
     assert all(r["stack_bytes"] == 0 for r in attn), report.format_table([r for r in attn if r["stack_bytes"]])
 
 
+def test_v3_kernels_are_built_for_every_group_within_their_register_caps(rows):
+    """decode_v3.cuh's kernels: every GQA_GROUP of the nvcc-check lines, both archs; __launch_bounds__
+    holds G <= 4 to 128 registers (4 blocks of 128 threads per SM), larger groups to 255; no stack."""
+    for kernel in ("decode_attention_v3", "paged_decode_attention_v3"):
+        v3 = [r for r in rows if r["kernel"] == kernel]
+        groups = {int(r["defines"].split("GQA_GROUP=")[1].split()[0]) for r in v3}
+        assert groups == {1, 3, 4, 8} and {r["arch"] for r in v3} == set(report.ARCHS), (kernel, groups)
+        for r in v3:
+            group = int(r["defines"].split("GQA_GROUP=")[1].split()[0])
+            assert r["registers"] <= (128 if group <= 4 else 255) and r["stack_bytes"] == 0, r
+
+
 def test_every_source_compiles_with_nvrtc():
     """CuPy compiles with NVRTC, which lacks host headers (no INFINITY from <math.h>): nvcc alone misses that."""
     lib = found_or_skip(report.find_nvrtc(), "MINIKV_REQUIRE_NVRTC",
