@@ -259,7 +259,8 @@ def test_costs_and_the_batching_budget_see_the_latent_not_per_head_kv():
     model = random_mla_model(mla=mla, vocab_size=64, max_position=512)
     c = model.config
     want = c.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-    assert kv_bytes_per_token(shape_from_config(c), "fp32") == want * 4 == make_cache("paged", model, 8).bytes_per_token()
+    paged = make_cache("paged", model, 8)
+    assert kv_bytes_per_token(shape_from_config(c), "fp32") == want * 4 == paged.bytes_per_token()
     wl = Workload(num_requests=3, prompt_median=8, prompt_range=(2, 16), output_median=4, output_range=(1, 8),
                   shared_prefix_len=4, vocab_size=64)
     res = batching_benchmark(wl, kv_budget_bytes=64 * want * np.dtype(model.dtype).itemsize, block_size=4,

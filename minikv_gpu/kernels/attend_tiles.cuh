@@ -8,7 +8,10 @@
 // warp: this is where grouped-query attention saves memory traffic.
 //
 // Where a key's row lives is the caller's business, as a Rows object:
-//     rows.begin_tile(k0, k_end)   called by all threads before tile k0 is loaded (may sync)
+//     rows.begin_tile(k0, k_end)   called by all threads before tile k0 is loaded; it must contain a
+//                                  block-wide barrier: the only one between the previous tile's reads
+//                                  of k_s/v_s and this tile's loads (and, on the first tile, between
+//                                  the caller's shared writes, e.g. the queries, and their reads)
 //     rows(key)                    element offset of key's K (and V) row, for k0 <= key < k_end
 // DenseRows (below) is a [keys, D] block; paged.cu's PagedRows goes through a block table.
 //
@@ -23,7 +26,7 @@
 // Rows of a contiguous [keys, HEAD_DIM] history starting at element `base`.
 struct DenseRows {
     long long base;
-    __device__ __forceinline__ void begin_tile(int, int) {}
+    __device__ __forceinline__ void begin_tile(int, int) { __syncthreads(); }  // the tile barrier (above)
     __device__ __forceinline__ long long operator()(int key) const { return base + (long long)key * HEAD_DIM; }
 };
 
@@ -56,16 +59,16 @@ __device__ __forceinline__ void load_tile(const T* k, const T* v, const Rows& ro
 
 // Attend query row q_row (shared memory, HEAD_DIM floats) of this warp over keys [k_begin, k_end),
 // of which the row may see those < row_end (row_end <= k_end; 0: a padding row that sees nothing),
-// folding them into s. All threads of the block call it: it has barriers. It starts with one, so
-// shared writes made before the call (queries) are ordered before any read.
+// folding them into s. All threads of the block call it: it has barriers, two per tile (one in
+// rows.begin_tile, one after the load), so shared writes made before the call (queries) are
+// ordered before any read.
 template <class T, class Rows>
 __device__ __forceinline__ void attend_tiles(const T* k, const T* v, Rows& rows, int k_begin, int k_end,
                                              int row_end, const float* q_row, float (*k_s)[HEAD_DIM + 1],
                                              float (*v_s)[HEAD_DIM], float scale, online_softmax::State& s) {
     const int lane = threadIdx.x & 31;
     for (int k0 = k_begin; k0 < k_end; k0 += KEY_TILE) {
-        __syncthreads();  // everyone is done with the previous tile
-        rows.begin_tile(k0, k_end);
+        rows.begin_tile(k0, k_end);  // includes the barrier: everyone is done with the previous tile
         load_tile(k, v, rows, k0, k_end, k_s, v_s);
         __syncthreads();
         const int key = k0 + lane;

@@ -111,7 +111,11 @@ struct PagedRows {
             }
             row_s[threadIdx.x] = row;
         }
-        __syncthreads();  // needed: row_s is read by every thread in load_tile (see cpu_sim/README.md, barriers)
+        // The tile barrier of attend_tiles.cuh's contract, and needed here anyway: row_s is read by every
+        // thread in load_tile. Its writes above are safe: every read of the previous tile's row_s ended
+        // before the barrier that follows load_tile. (Paged tiles used to pay a third barrier at the top
+        // of the loop; the simulator's schedules showed it redundant, see cpu_sim/README.md, barriers.)
+        __syncthreads();
     }
     __device__ __forceinline__ long long operator()(int key) const { return row_s[key - k0]; }
 };
