@@ -64,3 +64,9 @@ def test_mla_decode_numbers_are_current(page, contexts):
     text = (ROOT / page).read_text()
     for number in mla_numbers(contexts):
         assert number in text, f"{page} should quote {number} from benchmarks/results/mla_decode.json"
+
+
+def test_mla_decode_slowdown_in_interview_is_current():
+    row = {r["ctx"]: r for r in _json("mla_decode.json")["results"]}[2048]
+    number = f"{row['expanded_over_absorbed_time']:.1f}x slower"
+    assert number in (ROOT / "docs/interview.md").read_text(), f"docs/interview.md should quote {number!r}"
