@@ -132,8 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--rounds", type=int, default=9, help="rounds per context length")
     ap.add_argument("--steps", type=int, default=4, help="timed decode steps per form and round")
-    ap.add_argument("--quick", action="store_true", help="contexts 64 and 128, 2 rounds of 2 steps (seconds)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mla_decode.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="contexts 64 and 128, 2 rounds of 2 steps (seconds); writes no JSON unless --out is given")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/mla_decode.json (full runs only)")
     args = ap.parse_args(argv)
     if args.quick:
         args.ctx, args.rounds, args.steps = [64, 128], 2, 2
@@ -166,7 +167,10 @@ def main(argv=None) -> int:
               f"{row['absorbed_over_expanded_time']:>19.3f}x {row['expanded_over_absorbed_time']:>19.1f}x")
     info = machine_info(("numpy",))
     print(describe(info))
-    out = write_result(args.out, {
+    if args.quick and args.out is None:
+        print("quick run: no JSON written (the committed results are a full run; pass --out to keep this one)")
+        return 0
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / "mla_decode.json", {
         "benchmark": "mla_decode", "dtype": "float32",
         "model": {"mla": {"kv_lora_rank": V3.kv_lora_rank, "qk_rope_head_dim": V3.qk_rope_head_dim,
                           "qk_nope_head_dim": V3.qk_nope_head_dim, "v_head_dim": V3.v_head_dim},
