@@ -52,6 +52,7 @@ notebooks: install-test
 bench: install-test
 	$(PY) benchmarks/decode_cpu.py
 	$(PY) benchmarks/paged_memory.py
+	$(PY) benchmarks/mla_decode.py
 	$(PY) benchmarks/nvcc_report.py
 
 lint: install-test

@@ -44,3 +44,29 @@ def test_decode_numbers_in_readme_are_current():
     text = (ROOT / "README.md").read_text()
     for number in decode_numbers():
         assert number in text, f"README.md should quote {number} from benchmarks/results/decode_cpu.json"
+
+
+def mla_numbers(contexts: tuple[int, ...]) -> list[str]:
+    d = _json("mla_decode.json")
+    rows = {r["ctx"]: r for r in d["results"]}
+    out = []
+    for ctx in contexts:
+        r = rows[ctx]
+        out += [f"{r['absorbed_ms_per_token']:.2f}", f"{r['expanded_ms_per_token']:.2f}",
+                f"{r['absorbed_over_expanded_time']:.3f}x"]
+    v3 = d["per_key_costs"]["deepseek_v3_bf16"]
+    built = v3["expanded"]["bytes"] + v3["expanded"]["built_bytes"]
+    return out + [f"{v3['absorbed']['bytes']:,}", f"{built:,}", f"{v3['absorbed']['flops_per_byte']:.1f}"]
+
+
+@pytest.mark.parametrize("page, contexts", [("README.md", (128, 2048)), ("docs/04_mla.md", (128, 512, 2048))])
+def test_mla_decode_numbers_are_current(page, contexts):
+    text = (ROOT / page).read_text()
+    for number in mla_numbers(contexts):
+        assert number in text, f"{page} should quote {number} from benchmarks/results/mla_decode.json"
+
+
+def test_mla_decode_slowdown_in_interview_is_current():
+    row = {r["ctx"]: r for r in _json("mla_decode.json")["results"]}[2048]
+    number = f"{row['expanded_over_absorbed_time']:.1f}x slower"
+    assert number in (ROOT / "docs/interview.md").read_text(), f"docs/interview.md should quote {number!r}"
