@@ -172,7 +172,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
         if is_kivi(kv_dtype):
             block_size = check_int("residual", residual, hint="KIVI's full-precision tokens, e.g. 128")
         quant = dict(kv_dtype=kv_dtype, group=group)
-    need = spec.slots(max_len, max_seqs, block_size) * per_token  # a quantized cache keeps this much too (its residual pool)
+    need = spec.slots(max_len, max_seqs, block_size) * per_token  # quantized: its residual pool alone
     have = available_memory_bytes()
     if have is not None and need > have:
         raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "

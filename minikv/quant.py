@@ -27,13 +27,18 @@ k16v8         fp16                                   q8_0
 
 When a value is quantized (append-only, each value once)
 -------------------------------------------------------
-A block is quantized **when it becomes full**, at the commit of the step that filled it,
-all layers, K and V at once; its bytes never change afterwards (prefix sharing, fork,
-copy-on-write and swapping only copy whole blocks). Until then its tokens sit in full
-precision (the cache's ``dtype``) in ``k_pool``/``v_pool``: **the partly filled last block is
-the residual**, 0..block_size-1 most recent tokens. A rolled-back step never reaches
-commit, so it quantizes nothing. After quantization a block's full-precision rows are
-set to NaN: attention that read them by mistake would show it at once.
+A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
+fills (each layer once), and the step's commit publishes them (``quantized[b] = True``);
+from then on a block's bytes never change (prefix sharing, fork, copy-on-write and swapping
+only copy whole blocks). Until then its tokens sit in full precision (the cache's ``dtype``)
+in ``k_pool``/``v_pool``: **the partly filled last block is the residual**, 0..block_size-1 most
+recent tokens. A rolled-back step never publishes, so it quantizes nothing. After
+publishing, a block's full-precision rows are set to NaN: a read of them would show at once.
+
+What a query sees is a function of positions only: the query at position p reads block j
+dequantized iff the block is full at p, ``(j + 1) * block_size <= p + 1``, else in full precision.
+So a prefill, a chunked prefill, a batch, a prefix hit and a recompute after preemption all
+give what feeding the tokens one at a time gives (the quantized cache's own exactness spine).
 
 KIVI's residual rule, and why
 -----------------------------
@@ -68,10 +73,10 @@ import numpy as np
 from minikv import quant_codecs
 from minikv.errors import ConfigError, ShapeError
 from minikv.kv_cache import Step
-from minikv.paged import PagedKVCache, paged_attention
+from minikv.paged import PagedKVCache, paged_attention, query_positions
 from minikv.quant_codecs import CODECS, Codec, codec  # noqa: F401  (the codecs, re-exported)
 
-__all__ = ["KV_DTYPES", "Side", "KVFormat", "kv_format", "QuantizedPool", "dequantize_tile",
+__all__ = ["KV_DTYPES", "Side", "KVFormat", "kv_format", "QuantizedPool", "dequantize_tile", "view_tables",
            "quantized_paged_attention", "QuantizedPagedKVCache", "CODECS", "Codec", "codec", "quant_codecs"]
 
 # kv_dtype -> (K codec, K axis, V codec, V axis); axis "token": groups along D of one token,
@@ -112,14 +117,15 @@ class Side:
         lead = x.shape[:-3]
         if self.axis == "channel":
             x = np.moveaxis(x, -3, -1)  # [..., Hkv, D, bs]: groups of tokens per channel
-        return self.codec.encode(x).reshape(*lead, -1)
+        out = self.codec.encode(x)
+        return out.reshape(*lead, int(np.prod(out.shape[len(lead):])))  # (explicit: lead may be empty)
 
     def decode(self, b: np.ndarray, bs: int, hkv: int, d: int) -> np.ndarray:
         """uint8 [..., block_bytes] -> float32 [..., bs, Hkv, D]."""
         lead = b.shape[:-1]
         if self.axis == "token":
-            return self.codec.decode(b.reshape(*lead, bs, hkv, -1))
-        return np.moveaxis(self.codec.decode(b.reshape(*lead, hkv, d, -1)), -1, -3)
+            return self.codec.decode(b.reshape(*lead, bs, hkv, self.codec.bytes_for(d)))
+        return np.moveaxis(self.codec.decode(b.reshape(*lead, hkv, d, self.codec.bytes_for(bs))), -1, -3)
 
 
 @dataclass(frozen=True)
@@ -160,24 +166,31 @@ def kv_format(kv_dtype: str, group: int, block_size: int, num_kv_heads: int, hea
 
 
 # --- attention: paged_attention, with each tile of blocks dequantized as it is loaded ----------
+#
+# What a query sees: the query at position p reads block j of its sequence *dequantized* iff the
+# block is full at p, (j + 1) * bs <= p + 1, and in full precision otherwise. That is a function of
+# positions only, so a prefill, a chunked prefill, a batch, a prefix hit or a recompute after
+# preemption all see exactly what the one-token-at-a-time decode saw (the block that a step fills
+# is already encoded when the step attends; it is *published* as quantized at commit).
+#
+# Block ids in the tables given to ``paged_attention`` name a *view*: id b < num_blocks reads block
+# b's full-precision rows, id num_blocks + b reads block b's codes, dequantized.
 
 @dataclass
 class QuantizedPool:
-    """One layer's K (or V) storage, as ``paged_attention`` sees a pool.
+    """One layer's K (or V) storage as ``paged_attention`` sees a pool of 2 x num_blocks views.
 
-    residual:  [num_blocks, bs, Hkv, D] full precision (valid for blocks not yet quantized)
-    codes:     [num_blocks, block_bytes] uint8 (valid where ``quantized``)
-    quantized: [num_blocks] bool
+    residual: [num_blocks, bs, Hkv, D] full precision (view ids 0 .. num_blocks - 1)
+    codes:    [num_blocks, block_bytes] uint8 (view ids num_blocks .. 2 num_blocks - 1)
     """
 
     residual: np.ndarray
     codes: np.ndarray
-    quantized: np.ndarray
     side: Side
 
     @property
     def shape(self) -> tuple:
-        return self.residual.shape
+        return (2 * self.residual.shape[0],) + self.residual.shape[1:]
 
     @property
     def ndim(self) -> int:
@@ -185,27 +198,43 @@ class QuantizedPool:
 
 
 def dequantize_tile(pool: QuantizedPool, blk: np.ndarray) -> np.ndarray:
-    """Blocks ``blk`` (any shape of ids) -> [*blk.shape, bs, Hkv, D]: codes decoded, residual rows as stored.
+    """View ids ``blk`` (any shape) -> [*blk.shape, bs, Hkv, D]: codes decoded, residual rows as stored.
 
     Each distinct block of the tile is decoded once, however many queries read it.
     """
+    nb, geo = pool.residual.shape[0], pool.residual.shape[1:]
     ids, inv = np.unique(np.asarray(blk, dtype=np.int64), return_inverse=True)
-    tile = pool.residual[ids].astype(np.result_type(pool.residual.dtype, np.float32))
-    q = pool.quantized[ids]
-    if q.any():
-        tile[q] = pool.side.decode(pool.codes[ids[q]], *pool.shape[1:])
+    coded = ids >= nb
+    tile = np.empty((ids.size,) + geo, dtype=np.result_type(pool.residual.dtype, np.float32))
+    tile[~coded] = pool.residual[ids[~coded]]
+    if coded.any():
+        tile[coded] = pool.side.decode(pool.codes[ids[coded] - nb], *geo)
     return tile[inv.reshape(np.shape(blk))]
 
 
+def view_tables(block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                block_size: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """One single-query "sequence" per packed query: (tables [N, width] of view ids, context_lens [N]).
+
+    Query r at position p gets its sequence's table with every block full at p shifted to its
+    dequantized view (id + num_blocks), and context p + 1.
+    """
+    seq_of, pos = query_positions(context_lens, query_lens)
+    rows = np.asarray(block_tables, dtype=np.int64)[seq_of]                               # [N, width]
+    full = (np.arange(rows.shape[1]) + 1)[None, :] * block_size <= pos[:, None] + 1
+    return np.where(full, rows + num_blocks, rows), pos + 1
+
+
 def quantized_paged_attention(q: np.ndarray, k_pool: QuantizedPool, v_pool: QuantizedPool,
-                              block_tables: np.ndarray, context_lens: np.ndarray,
-                              query_lens: np.ndarray | None = None, blocks_per_tile: int | None = None) -> np.ndarray:
+                              tables: np.ndarray, context_lens: np.ndarray,
+                              blocks_per_tile: int | None = None) -> np.ndarray:
     """``paged_attention`` over quantized pools: q [N, Hq, D] -> [N, Hq, D] in q's dtype.
 
-    The same walk over block tables, tile by tile through the online softmax; the one new
-    step is marked. The history is never dequantized as a whole: one tile at a time.
+    ``tables``/``context_lens`` come from ``view_tables`` (one query per row). The same walk over
+    the tables, tile by tile through the online softmax; the one new step is marked. The history
+    is never dequantized as a whole: one tile of blocks at a time.
     """
-    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens, blocks_per_tile,
+    return paged_attention(q, k_pool, v_pool, tables, context_lens, None, blocks_per_tile,
                            load_tile=dequantize_tile)  # <- the new step: dequantize each tile as it is loaded
 
 
@@ -236,6 +265,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.quantized = np.zeros(self.num_blocks, bool)
         self.host_quantized = np.zeros(self.num_host_blocks, bool)
         self.quantize_count = np.zeros(self.num_blocks, np.int64)
+        self._filling, self._views = np.zeros(0, np.int64), None  # the open step's filled blocks, view tables
 
     # -- storage hooks: a block is its residual rows, its codes and its flag ----------------------
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -255,7 +285,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.k_codes[:, dev], self.v_codes[:, dev] = self.host_k_codes[:, host], self.host_v_codes[:, host]
         self.quantized[dev] = self.host_quantized[host]
 
-    # -- the step: written blocks are residual; blocks the step fills are quantized at commit -----
+    # -- the step: blocks it fills are encoded at write, published as quantized at commit ----------
     def _blocks_of_step(self, step: Step, full_only: bool) -> np.ndarray:
         """Physical ids of the blocks this step writes (or, ``full_only``, fills), int64 [M]."""
         bs, ids = self.block_size, []
@@ -266,22 +296,36 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def _reserve(self, step: Step) -> None:
         super()._reserve(step)
-        self.quantized[self._blocks_of_step(step, full_only=False)] = False  # fresh blocks: residual
+        self.quantized[self._blocks_of_step(step, full_only=False)] = False  # written blocks: not full yet
+        self._filling = self._blocks_of_step(step, full_only=True)
+        self._views = view_tables(self._step_tables, step.past + step.num_new, step.num_new, self.block_size,
+                                  self.num_blocks)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store the step's K/V (k, v: [N, Hkv, D]) in the residual; encode the blocks the step fills.
+
+        The codes of a block being filled are written here, once per layer, but the block counts as
+        quantized only from commit on (a rolled-back step leaves codes of an unquantized block,
+        which nothing reads).
+        """
+        super().write(layer, k, v)
+        if self._filling.size:
+            for pool, codes, side in ((self.k_pool, self.k_codes, self.format.k),
+                                      (self.v_pool, self.v_codes, self.format.v)):
+                codes[layer, self._filling] = side.encode(pool[layer, self._filling])
 
     def _commit(self, step: Step) -> None:
-        full = self._blocks_of_step(step, full_only=True)
+        full = self._filling
         super()._commit(step)
-        if full.size:
-            self._quantize(full)
+        if full.size:  # publish: the codes hold the block now; its residual rows are dead (NaN)
+            self.quantized[full] = True
+            self.quantize_count[full] += 1
+            self.k_pool[:, full] = np.nan
+            self.v_pool[:, full] = np.nan
 
-    def _quantize(self, ids: np.ndarray) -> None:
-        """Encode full blocks ``ids`` (all layers, K and V) once; their residual rows become NaN."""
-        for pool, codes, side in ((self.k_pool, self.k_codes, self.format.k),
-                                  (self.v_pool, self.v_codes, self.format.v)):
-            codes[:, ids] = side.encode(pool[:, ids])
-            pool[:, ids] = np.nan
-        self.quantized[ids] = True
-        self.quantize_count[ids] += 1
+    def _end(self) -> None:
+        super()._end()
+        self._filling, self._views = np.zeros(0, np.int64), None
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Paged attention with per-tile dequantization (q: [N, Hq, D] -> [N, Hq, D])."""
@@ -289,17 +333,14 @@ class QuantizedPagedKVCache(PagedKVCache):
         step = self._require_step()
         if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
             raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
-        k, v = self.pools(layer)
-        return quantized_paged_attention(q, k, v, self._step_tables, step.past + step.num_new, step.num_new,
-                                         self.blocks_per_tile)
+        return quantized_paged_attention(q, *self.pools(layer), *self._views, self.blocks_per_tile)
 
     # -- inspection ---------------------------------------------------------------------------------
     def pools(self, layer: int, host: bool = False) -> tuple[QuantizedPool, QuantizedPool]:
         """Layer ``layer``'s K and V storage as ``QuantizedPool`` views (device or host)."""
         pre = "host_" if host else ""
-        flags = self.host_quantized if host else self.quantized
         return tuple(QuantizedPool(getattr(self, f"{pre}{s}_pool")[layer], getattr(self, f"{pre}{s}_codes")[layer],
-                                   flags, side) for s, side in (("k", self.format.k), ("v", self.format.v)))
+                                   side) for s, side in (("k", self.format.k), ("v", self.format.v)))
 
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The history as attention sees it (quantized blocks decoded): k, v [length, Hkv, D] (tests only)."""
@@ -307,6 +348,8 @@ class QuantizedPagedKVCache(PagedKVCache):
         s = self.blocks.state(seq_id)
         host = s.host_table is not None
         table = np.asarray(s.host_table if host else s.block_table, dtype=np.int64)
+        flags = self.host_quantized if host else self.quantized
+        table = np.where(flags[table], table + len(flags), table)  # quantized blocks: their decoded view
         flat = (-1, self.num_kv_heads, self.head_dim)
         return tuple(dequantize_tile(p, table).reshape(flat)[:s.length] for p in self.pools(layer, host))
 
@@ -344,5 +387,5 @@ class QuantizedPagedKVCache(PagedKVCache):
 
 def dequantized_pools(cache: QuantizedPagedKVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """Every device block of ``layer`` decoded at once: k, v [num_blocks, bs, Hkv, D] (tests' reference only)."""
-    ids = np.arange(cache.num_blocks)
+    ids = np.where(cache.quantized, cache.num_blocks, 0) + np.arange(cache.num_blocks)
     return tuple(dequantize_tile(p, ids) for p in cache.pools(layer))

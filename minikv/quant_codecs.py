@@ -110,7 +110,8 @@ def round_half_away(x: np.ndarray) -> np.ndarray:
 def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
     """Codes [..., n] (each < 2**bits, bits in 2/4/8) -> [..., n * bits / 8] uint8, value i in bits b*(i % k)."""
     per = 8 // bits
-    q = np.asarray(q, dtype=np.uint8).reshape(*np.shape(q)[:-1], -1, per)
+    q = np.asarray(q, dtype=np.uint8)
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per)
     shifts = (np.arange(per, dtype=np.uint8) * bits)
     return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint8)
 
@@ -230,7 +231,8 @@ def decode_fp8(b: np.ndarray, group: int, fmt: str = "e4m3fn") -> np.ndarray:
 def encode_cast(x: np.ndarray, name: str) -> np.ndarray:
     """[..., n] -> [..., n * itemsize] uint8: the values cast to fp32/fp16/bf16, as their bytes."""
     x = np.asarray(x)
-    return np.ascontiguousarray(x.astype(CASTS[name])).view(np.uint8).reshape(*x.shape[:-1], -1)
+    return np.ascontiguousarray(x.astype(CASTS[name])).view(np.uint8).reshape(
+        *x.shape[:-1], x.shape[-1] * CASTS[name].itemsize)
 
 
 def decode_cast(b: np.ndarray, name: str) -> np.ndarray:
