@@ -76,8 +76,9 @@ from minikv.kv_cache import Step
 from minikv.paged import PagedKVCache, paged_attention, query_positions
 from minikv.quant_codecs import CODECS, Codec, codec  # noqa: F401  (the codecs, re-exported)
 
-__all__ = ["KV_DTYPES", "Side", "KVFormat", "kv_format", "QuantizedPool", "dequantize_tile", "view_tables",
-           "quantized_paged_attention", "QuantizedPagedKVCache", "CODECS", "Codec", "codec", "quant_codecs"]
+__all__ = ["KV_DTYPES", "is_kivi", "Side", "KVFormat", "kv_format", "QuantizedPool", "dequantize_tile",
+           "view_tables", "quantized_paged_attention", "QuantizedPagedKVCache", "kv_bytes_per_token",
+           "dequantized_pools", "CODECS", "Codec", "codec", "quant_codecs"]
 
 # kv_dtype -> (K codec, K axis, V codec, V axis); axis "token": groups along D of one token,
 # "channel": groups along the tokens of one channel (KIVI's keys)
@@ -389,3 +390,13 @@ def dequantized_pools(cache: QuantizedPagedKVCache, layer: int) -> tuple[np.ndar
     """Every device block of ``layer`` decoded at once: k, v [num_blocks, bs, Hkv, D] (tests' reference only)."""
     ids = np.where(cache.quantized, cache.num_blocks, 0) + np.arange(cache.num_blocks)
     return tuple(dequantize_tile(p, ids) for p in cache.pools(layer))
+
+
+def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       group: int = 32) -> float:
+    """``QuantizedPagedKVCache.bytes_per_token`` without building one: L (K + V block bytes) / block_size.
+
+    For kivi* pass KIVI's residual as ``block_size`` (that is the block it uses).
+    """
+    fmt = kv_format(kv_dtype, group, block_size, num_kv_heads, head_dim)
+    return num_layers * sum(fmt.block_bytes()) / block_size
