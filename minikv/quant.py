@@ -25,6 +25,11 @@ fp8_e5m2      e5m2, the same                         the same
 k16v8         fp16                                   q8_0
 ============  =====================================  =====================================
 
+Every kv_dtype runs on the paged layout only (``QuantizedPagedKVCache``; "fp32" there is lossless,
+and ``make_cache`` gives the plain ``PagedKVCache`` for it); there is no contiguous variant (a
+notebook can call the codecs on arrays directly). A group must divide what it groups
+(``head_dim``; ``block_size`` for KIVI's keys): other sizes are refused, never padded.
+
 When a value is quantized (append-only, each value once)
 -------------------------------------------------------
 A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
