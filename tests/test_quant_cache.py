@@ -304,3 +304,36 @@ def test_attention_error_within_the_perturbation_bound(kv):
     err = np.abs(got - exact).max(axis=1)
     assert np.all(err <= bound + 1e-5), (err, bound)
     assert np.all(err > 0)  # it really is lossy
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kv", ["int8", "kivi4"])
+def test_a_rolled_back_step_that_would_fill_blocks_leaves_no_trace(kv):
+    cache = qcache(M64, kv)
+    cache.add_sequence(0)
+    M64.forward([IDS[:13]], cache)
+    table = cache.block_table(0).tolist()
+    before = ([cache.stored_block(layer, table[0]) for layer in range(2)], cache.quantized.copy(),
+              cache.quantize_count.copy(), cache.k_pool[:, table[1], :5].copy(), cache.v_pool[:, table[1], :5].copy())
+    with pytest.raises(Boom), cache.step([0], [12]):  # would fill block 1 and block 2
+        for layer in range(2):
+            cache.write(layer, np.ones((12, 2, 32)), np.ones((12, 2, 32)))
+        raise Boom
+    assert cache.length(0) == 13 and cache.block_table(0).tolist() == table
+    assert [cache.stored_block(layer, table[0]) for layer in range(2)] == before[0]  # the quantized block
+    assert np.array_equal(cache.quantized, before[1]) and np.array_equal(cache.quantize_count, before[2])
+    # the residual rows of the 5 tokens held (the step's writes past them are stale slots, as in step 3)
+    assert np.array_equal(cache.k_pool[:, table[1], :5], before[3])
+    assert np.array_equal(cache.v_pool[:, table[1], :5], before[4])
+    got = np.stack([M64.forward([[t]], cache)[0] for t in IDS[13:20]])
+    assert rel_err(got, token_by_token(M64, qcache(M64, kv), IDS[:20])[13:]) <= 1e-10
+
+
+@pytest.mark.parametrize("kv", ["int8", "kivi2"])
+def test_chunked_prefill_gives_the_tokens_of_whole_prompts(kv):
+    whole = Scheduler(M64, qcache(M64, kv, bs=4)).run(REQUESTS)
+    chunked = Scheduler(M64, qcache(M64, kv, bs=4), max_step_tokens=5).run(REQUESTS)
+    assert chunked == whole
