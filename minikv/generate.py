@@ -70,20 +70,34 @@ def _build_contiguous(args: dict, max_len: int, max_seqs: int, block_size: int, 
     return kind(**args, max_seqs=max_seqs, max_len=max_len, dtype=dtype)
 
 
-def paged_cache(args: dict, num_blocks: int, block_size: int, dtype, **options) -> KVCacheBase:
+def paged_cache(args: dict, num_blocks: int, block_size: int, dtype, kv_dtype: str | None = None,
+                group: int = 32, residual: int | None = None, **options) -> KVCacheBase:
     """A paged cache of ``num_blocks`` blocks for ``model.new_cache_args()`` (the latent twin for MLA).
 
+    ``kv_dtype`` (a key of ``minikv.quant.KV_DTYPES``; None or "fp32": today's float cache) builds a
+    ``QuantizedPagedKVCache`` with ``group`` values per scale. ``residual`` is KIVI's R: for kivi* it
+    must equal ``block_size`` (the open block is the residual); other codecs have no R and ignore it.
     ``options`` go to the class (num_host_blocks, enable_prefix_caching, hash_fn, ...).
     """
     from minikv.mla import LatentPagedKVCache
     from minikv.paged import PagedKVCache
+    from minikv.quant import QuantizedPagedKVCache, is_kivi
 
+    if kv_dtype not in (None, "fp32"):
+        if "mla" in args:
+            raise ConfigError(f"kv_dtype={kv_dtype!r}: the MLA latent cache is not quantized (step 5 covers "
+                              "K/V caches); use kv_dtype=None")
+        if is_kivi(kv_dtype) and residual is not None and residual != block_size:
+            raise ConfigError(f"kv_dtype={kv_dtype!r} keeps its residual in the open block: residual={residual} "
+                              f"must equal block_size={block_size}")
+        return QuantizedPagedKVCache(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                                     kv_dtype=kv_dtype, group=group, **options)
     kind = LatentPagedKVCache if "mla" in args else PagedKVCache
     return kind(**args, num_blocks=num_blocks, block_size=block_size, dtype=dtype, **options)
 
 
-def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
-    return paged_cache(args, _paged_blocks(max_len, max_seqs, block_size), block_size, dtype)
+def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype, **quant) -> KVCacheBase:
+    return paged_cache(args, _paged_blocks(max_len, max_seqs, block_size), block_size, dtype, **quant)
 
 
 def bytes_per_token(args: dict, dtype) -> int:
@@ -135,25 +149,35 @@ def available_memory_bytes() -> int | None:
 
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
-               dtype=None) -> KVCacheBase:
+               dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128) -> KVCacheBase:
     """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
 
-    An MLA model gets the latent cache of that kind (``minikv.mla``). Refuses (ConfigError) a
-    cache whose K and V would not fit in the memory
-    available now, before allocating anything.
+    An MLA model gets the latent cache of that kind (``minikv.mla``). ``kv_dtype`` (a key of
+    ``minikv.quant.KV_DTYPES``) stores K/V quantized (paged kind only; None or "fp32": unchanged);
+    ``group`` is the values per scale of kivi*/fp8*; for kivi* the block holds ``residual`` tokens
+    (KIVI's R; ``block_size`` is replaced by it). Refuses (ConfigError) a cache whose K and V
+    would not fit in the memory available now, before allocating anything.
     """
     spec = cache_kind(kind)
     max_len = check_int("max_len", max_len, error=InvalidInputError)
     max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
     dtype = model.dtype if dtype is None else dtype
     args = model.new_cache_args()
-    per_token = bytes_per_token(args, dtype)
-    need = spec.slots(max_len, max_seqs, block_size) * per_token
+    per_token, quant = bytes_per_token(args, dtype), {}
+    if kv_dtype not in (None, "fp32"):
+        from minikv.quant import is_kivi
+
+        if kind != "paged":
+            raise ConfigError(f"kv_dtype={kv_dtype!r} needs the paged cache (quantized blocks); use kind='paged'")
+        if is_kivi(kv_dtype):
+            block_size = check_int("residual", residual, hint="KIVI's full-precision tokens, e.g. 128")
+        quant = dict(kv_dtype=kv_dtype, group=group)
+    need = spec.slots(max_len, max_seqs, block_size) * per_token  # quantized: its residual pool alone
     have = available_memory_bytes()
     if have is not None and need > have:
         raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "
                           f"only {have:,} are available; lower max_len (max_new_tokens) or max_seqs")
-    return spec.build(args, max_len, max_seqs, block_size, dtype)
+    return spec.build(args, max_len, max_seqs, block_size, dtype, **quant)
 
 
 def check_context(max_position: int, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:

@@ -46,7 +46,7 @@ Three short modules, each with one job:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ from minikv.kv_cache import KVCacheBase, Step
 
 __all__ = ["Block", "BlockAllocator", "BlockManager", "HashFn", "chain_hash", "num_blocks_for", "slot_mapping",
            "paged_attention", "PagedKVCache", "default_blocks_per_tile", "query_positions",
-           "check_paged_attention_args"]
+           "check_paged_attention_args", "gather_blocks", "TileLoader"]
 
 
 def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -68,9 +68,17 @@ def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int
     return table[positions // block_size] * block_size + positions % block_size
 
 
+TileLoader = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def gather_blocks(pool: np.ndarray, blk: np.ndarray) -> np.ndarray:
+    """The default tile loader: blocks ``blk`` [R, tile] of ``pool`` -> [R, tile, block_size, Hkv, D]."""
+    return pool[blk]
+
+
 def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, query_lens: np.ndarray | None = None,
-                    blocks_per_tile: int | None = None) -> np.ndarray:
+                    blocks_per_tile: int | None = None, load_tile: TileLoader | None = None) -> np.ndarray:
     """Attention of packed queries over each sequence's blocks, read through its block table.
 
     q:               [N, Hq, D] queries of B sequences, packed (sequence b owns query_lens[b] rows)
@@ -79,6 +87,8 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     context_lens:    [B] tokens each sequence holds *including* this step's
     query_lens:      [B] new tokens per sequence (default all 1: pure decode); sum = N
     blocks_per_tile: blocks read per iteration (1 = one block at a time; default ~128 keys)
+    load_tile:       ``load_tile(pool, blk) -> [*blk.shape, block_size, Hkv, D]``, the blocks ``blk`` of a
+                     pool (default ``pool[blk]``); a quantized cache dequantizes there (``minikv.quant``)
     returns:         [N, Hq, D] in q's dtype
 
     The t-th query of sequence b sits at ``p = context_lens[b] - query_lens[b] + t`` and sees
@@ -99,14 +109,15 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     visible = pos + 1                                                        # [N] keys 0..pos
     tables = _whole_tiles(block_tables, context_lens, bs, tile)[seq_of]      # [N, width] physical ids
     qg = q.reshape(n, hkv, g, d)  # a whole GQA group per KV head: K/V of a block read once per group
+    load = gather_blocks if load_tile is None else load_tile
     state = online_softmax.start((n, hkv, g), d, dt)
     for start in range(0, int(visible.max()), span):
         rows = np.flatnonzero(visible > start)  # queries that see at least one key of this tile
         r = rows.size
         rows = slice(None) if r == n else rows  # all of them: views instead of fancy-indexed copies
         blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
-        kb = k_pool[blk].reshape(r, span, hkv, d).astype(dt, copy=False)     # [R, span, Hkv, D]
-        vb = v_pool[blk].reshape(r, span, hkv, d).astype(dt, copy=False)
+        kb = load(k_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
+        vb = load(v_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
         valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),

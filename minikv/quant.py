@@ -1,0 +1,407 @@
+"""Step 5: a quantized KV cache — codecs, the KV formats, and a paged cache that never re-quantizes.
+
+The idea
+--------
+K and V are most of a long context's memory. Storing them in fewer bits (a scale per small
+group keeps the error relative to the group's own range) cuts that memory 2-8x, at the cost
+of dequantizing inside attention. The codecs are pure functions (``minikv.quant_codecs``,
+re-exported here); this module arranges them over a paged cache.
+
+The formats (``KV_DTYPES``: one name space, the ``kv_dtype=`` of ``make_cache``)
+---------------------------------------------------------------------------
+============  =====================================  =====================================
+kv_dtype      K                                      V
+============  =====================================  =====================================
+fp32          float32 (the plain ``PagedKVCache``)   float32
+fp16, bf16    the value cast                         the value cast
+int8          q8_0 per token along D (group 32)      q8_0 per token along D
+int4          q4_0 per token along D (group 32)      q4_0
+q4_1          q4_1 per token along D (group 32)      q4_1
+kivi2, kivi4  asym 2/4-bit **per channel**, groups   asym 2/4-bit per token, groups of
+              of ``group`` tokens (KIVI)             ``group`` channels along D
+fp8           e4m3fn, fp16 scale per ``group``       the same
+              values of a token along D
+fp8_e5m2      e5m2, the same                         the same
+k16v8         fp16                                   q8_0
+============  =====================================  =====================================
+
+Every kv_dtype runs on the paged layout only (``QuantizedPagedKVCache``; "fp32" there is lossless,
+and ``make_cache`` gives the plain ``PagedKVCache`` for it); there is no contiguous variant (a
+notebook can call the codecs on arrays directly). A group must divide what it groups
+(``head_dim``; ``block_size`` for KIVI's keys): other sizes are refused, never padded.
+
+When a value is quantized (append-only, each value once)
+-------------------------------------------------------
+A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
+fills (each layer once), and the step's commit publishes them (``quantized[b] = True``);
+from then on a block's bytes never change (prefix sharing, fork, copy-on-write and swapping
+only copy whole blocks). Until then its tokens sit in full precision (the cache's ``dtype``)
+in ``k_pool``/``v_pool``: **the partly filled last block is the residual**, 0..block_size-1 most
+recent tokens. A rolled-back step never publishes, so it quantizes nothing. After
+publishing, a block's full-precision rows are set to NaN: a read of them would show at once.
+
+What a query sees is a function of positions only: the query at position p reads block j
+dequantized iff the block is full at p, ``(j + 1) * block_size <= p + 1``, else in full precision.
+So a prefill, a chunked prefill, a batch, a prefix hit and a recompute after preemption all
+give what feeding the tokens one at a time gives (the quantized cache's own exactness spine).
+
+KIVI's residual rule, and why
+-----------------------------
+KIVI (Algorithm 1) keeps keys in full precision until ``R`` (= ``residual``) of them have
+arrived, then quantizes those R tokens per channel in groups of G (= ``group``) tokens and
+starts a new full-precision chunk. That is exactly a paged block of R tokens quantized when
+full: for ``kivi*``, **the block size is the residual** (``make_cache`` sets
+``block_size = residual``, which must be a multiple of ``group``; default R = 128, G = 32), and
+the residual is the open block, between 0 and R - 1 tokens. KIVI's values use a sliding
+window of exactly R full-precision tokens instead; here values follow the keys' chunk (they
+are quantized per token, so the chunk only decides *when*, not *how*). A sliding window of
+the last ``ceil(R / block_size)`` blocks was rejected: it re-decides a full block's storage
+after the block is full, so a shared prefix block would change under the sequences that
+share it.
+
+Bytes (``bytes_per_token``: averaged over a full, quantized block)
+-----------------------------------------------------------------
+A full block of ``bs`` tokens takes per layer ``bs * Hkv * bytes_for(D)`` per side for a
+per-token codec and ``Hkv * D * bytes_for(bs)`` for KIVI's per-channel keys; ``bytes_per_token``
+is ``L * (K + V) / bs`` (a float: KIVI-2 with G = 32 is 12 bytes per 32 values). A residual token
+costs ``2 L Hkv D itemsize(dtype)``. ``bytes_used`` = full quantized blocks in use x their bytes +
+residual tokens x their bytes, shared blocks counted once. (This reference keeps a
+full-size full-precision pool for the open blocks, so ``bytes_allocated`` is larger.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minikv import quant_codecs
+from minikv.errors import ConfigError, ShapeError
+from minikv.kv_cache import Step
+from minikv.paged import PagedKVCache, paged_attention, query_positions
+from minikv.quant_codecs import CODECS, Codec, codec  # noqa: F401  (the codecs, re-exported)
+
+__all__ = ["KV_DTYPES", "is_kivi", "Side", "KVFormat", "kv_format", "QuantizedPool", "dequantize_tile",
+           "view_tables", "quantized_paged_attention", "QuantizedPagedKVCache", "kv_bytes_per_token",
+           "dequantized_pools", "CODECS", "Codec", "codec", "quant_codecs"]
+
+# kv_dtype -> (K codec, K axis, V codec, V axis); axis "token": groups along D of one token,
+# "channel": groups along the tokens of one channel (KIVI's keys)
+KV_DTYPES: dict[str, tuple[str, str, str, str]] = {
+    "fp32": ("fp32", "token", "fp32", "token"),
+    "fp16": ("fp16", "token", "fp16", "token"),
+    "bf16": ("bf16", "token", "bf16", "token"),
+    "int8": ("q8_0", "token", "q8_0", "token"),
+    "int4": ("q4_0", "token", "q4_0", "token"),
+    "q4_1": ("q4_1", "token", "q4_1", "token"),
+    "kivi2": ("asym2", "channel", "asym2", "token"),
+    "kivi4": ("asym4", "channel", "asym4", "token"),
+    "fp8": ("fp8_e4m3fn", "token", "fp8_e4m3fn", "token"),
+    "fp8_e5m2": ("fp8_e5m2", "token", "fp8_e5m2", "token"),
+    "k16v8": ("fp16", "token", "q8_0", "token"),
+}
+
+
+def is_kivi(kv_dtype: str) -> bool:
+    """Whether ``kv_dtype`` groups its keys along tokens (its block size is then KIVI's residual)."""
+    return KV_DTYPES.get(kv_dtype, ("", "token"))[1] == "channel"
+
+
+@dataclass(frozen=True)
+class Side:
+    """How one of K, V is stored in a full block ``[bs, Hkv, D]``: a codec and the axis it groups along."""
+
+    codec: Codec
+    axis: str  # "token" or "channel"
+
+    def block_bytes(self, bs: int, hkv: int, d: int) -> int:
+        """Bytes of one layer's full block: bs*Hkv*bytes_for(D) ("token") or Hkv*D*bytes_for(bs) ("channel")."""
+        return bs * hkv * self.codec.bytes_for(d) if self.axis == "token" else hkv * d * self.codec.bytes_for(bs)
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        """Full blocks [..., bs, Hkv, D] -> uint8 [..., block_bytes]."""
+        lead = x.shape[:-3]
+        if self.axis == "channel":
+            x = np.moveaxis(x, -3, -1)  # [..., Hkv, D, bs]: groups of tokens per channel
+        out = self.codec.encode(x)
+        return out.reshape(*lead, int(np.prod(out.shape[len(lead):])))  # (explicit: lead may be empty)
+
+    def decode(self, b: np.ndarray, bs: int, hkv: int, d: int) -> np.ndarray:
+        """uint8 [..., block_bytes] -> float32 [..., bs, Hkv, D]."""
+        lead = b.shape[:-1]
+        if self.axis == "token":
+            return self.codec.decode(b.reshape(*lead, bs, hkv, self.codec.bytes_for(d)))
+        return np.moveaxis(self.codec.decode(b.reshape(*lead, hkv, d, self.codec.bytes_for(bs))), -1, -3)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A ``kv_dtype`` made concrete for a geometry: the K side, the V side and their bytes."""
+
+    name: str
+    k: Side
+    v: Side
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def block_bytes(self) -> tuple[int, int]:
+        """(K, V) bytes of one layer's full block."""
+        geo = (self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k.block_bytes(*geo), self.v.block_bytes(*geo)
+
+
+def kv_format(kv_dtype: str, group: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVFormat:
+    """The format ``kv_dtype`` for blocks [block_size, Hkv, D]; ConfigError naming what does not fit.
+
+    A group must divide what it groups: ``head_dim`` for per-token sides, ``block_size`` for KIVI's
+    per-channel keys (q8_0/q4_x: group 32 only). minikv refuses rather than pads.
+    """
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
+    kc, ka, vc, va = KV_DTYPES[kv_dtype]
+    sides = []
+    for name, axis in ((kc, ka), (vc, va)):
+        c = codec(name, group if name in quant_codecs.GROUPED else quant_codecs.QK)
+        n, what = (head_dim, "head_dim") if axis == "token" else (block_size, "block_size (KIVI's residual)")
+        if n % c.group:
+            raise ConfigError(f"kv_dtype={kv_dtype!r}: {what}={n} is not a multiple of {c.name}'s group of "
+                              f"{c.group}; pick a group that divides {n}")
+        sides.append(Side(c, axis))
+    return KVFormat(kv_dtype, sides[0], sides[1], block_size, num_kv_heads, head_dim)
+
+
+# --- attention: paged_attention, with each tile of blocks dequantized as it is loaded ----------
+#
+# What a query sees: the query at position p reads block j of its sequence *dequantized* iff the
+# block is full at p, (j + 1) * bs <= p + 1, and in full precision otherwise. That is a function of
+# positions only, so a prefill, a chunked prefill, a batch, a prefix hit or a recompute after
+# preemption all see exactly what the one-token-at-a-time decode saw (the block that a step fills
+# is already encoded when the step attends; it is *published* as quantized at commit).
+#
+# Block ids in the tables given to ``paged_attention`` name a *view*: id b < num_blocks reads block
+# b's full-precision rows, id num_blocks + b reads block b's codes, dequantized.
+
+@dataclass
+class QuantizedPool:
+    """One layer's K (or V) storage as ``paged_attention`` sees a pool of 2 x num_blocks views.
+
+    residual: [num_blocks, bs, Hkv, D] full precision (view ids 0 .. num_blocks - 1)
+    codes:    [num_blocks, block_bytes] uint8 (view ids num_blocks .. 2 num_blocks - 1)
+    """
+
+    residual: np.ndarray
+    codes: np.ndarray
+    side: Side
+
+    @property
+    def shape(self) -> tuple:
+        return (2 * self.residual.shape[0],) + self.residual.shape[1:]
+
+    @property
+    def ndim(self) -> int:
+        return self.residual.ndim
+
+
+def dequantize_tile(pool: QuantizedPool, blk: np.ndarray) -> np.ndarray:
+    """View ids ``blk`` (any shape) -> [*blk.shape, bs, Hkv, D]: codes decoded, residual rows as stored.
+
+    Each distinct block of the tile is decoded once, however many queries read it.
+    """
+    nb, geo = pool.residual.shape[0], pool.residual.shape[1:]
+    ids, inv = np.unique(np.asarray(blk, dtype=np.int64), return_inverse=True)
+    coded = ids >= nb
+    tile = np.empty((ids.size,) + geo, dtype=np.result_type(pool.residual.dtype, np.float32))
+    tile[~coded] = pool.residual[ids[~coded]]
+    if coded.any():
+        tile[coded] = pool.side.decode(pool.codes[ids[coded] - nb], *geo)
+    return tile[inv.reshape(np.shape(blk))]
+
+
+def view_tables(block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                block_size: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """One single-query "sequence" per packed query: (tables [N, width] of view ids, context_lens [N]).
+
+    Query r at position p gets its sequence's table with every block full at p shifted to its
+    dequantized view (id + num_blocks), and context p + 1.
+    """
+    seq_of, pos = query_positions(context_lens, query_lens)
+    rows = np.asarray(block_tables, dtype=np.int64)[seq_of]                               # [N, width]
+    full = (np.arange(rows.shape[1]) + 1)[None, :] * block_size <= pos[:, None] + 1
+    return np.where(full, rows + num_blocks, rows), pos + 1
+
+
+def quantized_paged_attention(q: np.ndarray, k_pool: QuantizedPool, v_pool: QuantizedPool,
+                              tables: np.ndarray, context_lens: np.ndarray,
+                              blocks_per_tile: int | None = None) -> np.ndarray:
+    """``paged_attention`` over quantized pools: q [N, Hq, D] -> [N, Hq, D] in q's dtype.
+
+    ``tables``/``context_lens`` come from ``view_tables`` (one query per row). The same walk over
+    the tables, tile by tile through the online softmax; the one new step is marked. The history
+    is never dequantized as a whole: one tile of blocks at a time.
+    """
+    return paged_attention(q, k_pool, v_pool, tables, context_lens, None, blocks_per_tile,
+                           load_tile=dequantize_tile)  # <- the new step: dequantize each tile as it is loaded
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+class QuantizedPagedKVCache(PagedKVCache):
+    """A ``PagedKVCache`` whose full blocks are stored quantized in ``kv_dtype`` (see the module docstring).
+
+    num_layers, num_kv_heads, head_dim, num_blocks, block_size, ...: as ``PagedKVCache``
+    dtype:    the residual's precision (the open blocks) and attention's compute dtype
+    kv_dtype: a key of ``KV_DTYPES``;  group: values per scale for kivi*/fp8* (others: fixed)
+
+    Storage: ``k_pool, v_pool: [L, num_blocks, bs, Hkv, D]`` in ``dtype`` hold the open blocks
+    (written through the slot mapping, as in step 3); ``k_codes, v_codes: [L, num_blocks,
+    block_bytes] uint8`` the quantized full blocks, ``quantized: [num_blocks] bool`` which is
+    which; the host pools the same. ``quantize_count[b]``: how often block b was quantized.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype=np.float32, kv_dtype: str = "int8", group: int = 32, **options):
+        super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, **options)
+        self.format = kv_format(kv_dtype, group, self.block_size, num_kv_heads, head_dim)
+        self.kv_dtype = kv_dtype
+        kb, vb = self.format.block_bytes()
+        self.k_codes, self.v_codes = (np.zeros((num_layers, self.num_blocks, n), np.uint8) for n in (kb, vb))
+        self.host_k_codes, self.host_v_codes = (np.zeros((num_layers, self.num_host_blocks, n), np.uint8)
+                                                for n in (kb, vb))
+        self.quantized = np.zeros(self.num_blocks, bool)
+        self.host_quantized = np.zeros(self.num_host_blocks, bool)
+        self.quantize_count = np.zeros(self.num_blocks, np.int64)
+        self._filling, self._views = np.zeros(0, np.int64), None  # the open step's filled blocks, view tables
+
+    # -- storage hooks: a block is its residual rows, its codes and its flag ----------------------
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        super()._copy_blocks(pairs)
+        src, dst = (np.asarray(ids, dtype=np.int64) for ids in zip(*pairs))
+        for codes in (self.k_codes, self.v_codes):
+            codes[:, dst] = codes[:, src]
+        self.quantized[dst] = self.quantized[src]
+
+    def _swap_out_blocks(self, dev: list[int], host: list[int]) -> None:
+        super()._swap_out_blocks(dev, host)
+        self.host_k_codes[:, host], self.host_v_codes[:, host] = self.k_codes[:, dev], self.v_codes[:, dev]
+        self.host_quantized[host] = self.quantized[dev]
+
+    def _swap_in_blocks(self, host: list[int], dev: list[int]) -> None:
+        super()._swap_in_blocks(host, dev)
+        self.k_codes[:, dev], self.v_codes[:, dev] = self.host_k_codes[:, host], self.host_v_codes[:, host]
+        self.quantized[dev] = self.host_quantized[host]
+
+    # -- the step: blocks it fills are encoded at write, published as quantized at commit ----------
+    def _blocks_of_step(self, step: Step, full_only: bool) -> np.ndarray:
+        """Physical ids of the blocks this step writes (or, ``full_only``, fills), int64 [M]."""
+        bs, ids = self.block_size, []
+        for i, (p, n) in enumerate(zip(step.past.tolist(), step.num_new.tolist(), strict=True)):
+            stop = (p + n) // bs if full_only else -(-(p + n) // bs)
+            ids.extend(self._step_tables[i, p // bs:stop].tolist())
+        return np.asarray(ids, dtype=np.int64)
+
+    def _reserve(self, step: Step) -> None:
+        super()._reserve(step)
+        self.quantized[self._blocks_of_step(step, full_only=False)] = False  # written blocks: not full yet
+        self._filling = self._blocks_of_step(step, full_only=True)
+        self._views = view_tables(self._step_tables, step.past + step.num_new, step.num_new, self.block_size,
+                                  self.num_blocks)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store the step's K/V (k, v: [N, Hkv, D]) in the residual; encode the blocks the step fills.
+
+        The codes of a block being filled are written here, once per layer, but the block counts as
+        quantized only from commit on (a rolled-back step leaves codes of an unquantized block,
+        which nothing reads).
+        """
+        super().write(layer, k, v)
+        if self._filling.size:
+            for pool, codes, side in ((self.k_pool, self.k_codes, self.format.k),
+                                      (self.v_pool, self.v_codes, self.format.v)):
+                codes[layer, self._filling] = side.encode(pool[layer, self._filling])
+
+    def _commit(self, step: Step) -> None:
+        full = self._filling
+        super()._commit(step)
+        if full.size:  # publish: the codes hold the block now; its residual rows are dead (NaN)
+            self.quantized[full] = True
+            self.quantize_count[full] += 1
+            self.k_pool[:, full] = np.nan
+            self.v_pool[:, full] = np.nan
+
+    def _end(self) -> None:
+        super()._end()
+        self._filling, self._views = np.zeros(0, np.int64), None
+
+    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """Paged attention with per-tile dequantization (q: [N, Hq, D] -> [N, Hq, D])."""
+        self._check_layer(layer)
+        step = self._require_step()
+        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
+            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        return quantized_paged_attention(q, *self.pools(layer), *self._views, self.blocks_per_tile)
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def pools(self, layer: int, host: bool = False) -> tuple[QuantizedPool, QuantizedPool]:
+        """Layer ``layer``'s K and V storage as ``QuantizedPool`` views (device or host)."""
+        pre = "host_" if host else ""
+        return tuple(QuantizedPool(getattr(self, f"{pre}{s}_pool")[layer], getattr(self, f"{pre}{s}_codes")[layer],
+                                   side) for s, side in (("k", self.format.k), ("v", self.format.v)))
+
+    def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The history as attention sees it (quantized blocks decoded): k, v [length, Hkv, D] (tests only)."""
+        self._check_layer(layer)
+        s = self.blocks.state(seq_id)
+        host = s.host_table is not None
+        table = np.asarray(s.host_table if host else s.block_table, dtype=np.int64)
+        flags = self.host_quantized if host else self.quantized
+        table = np.where(flags[table], table + len(flags), table)  # quantized blocks: their decoded view
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return tuple(dequantize_tile(p, table).reshape(flat)[:s.length] for p in self.pools(layer, host))
+
+    def stored_block(self, layer: int, block_id: int) -> tuple[bytes, bytes]:
+        """The bytes that hold device block ``block_id`` of ``layer`` now (K, V): its codes once quantized,
+        else its residual rows."""
+        if self.quantized[block_id]:
+            return self.k_codes[layer, block_id].tobytes(), self.v_codes[layer, block_id].tobytes()
+        return self.k_pool[layer, block_id].tobytes(), self.v_pool[layer, block_id].tobytes()
+
+    def bytes_per_block(self) -> int:
+        """Bytes of one full quantized block, all layers, K and V (data, scales and zero points)."""
+        return self.num_layers * sum(self.format.block_bytes())
+
+    def bytes_per_token(self) -> float:
+        """``bytes_per_block() / block_size``: a token's bytes averaged over a full quantized block."""
+        return self.bytes_per_block() / self.block_size
+
+    def residual_bytes_per_token(self) -> int:
+        """A residual (not yet quantized) token: 2 L Hkv D itemsize(dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def bytes_used(self) -> int:
+        """Quantized blocks in use x ``bytes_per_block`` + residual tokens x ``residual_bytes_per_token``."""
+        filled = self.blocks.slots_filled()
+        quantized = sum(1 for b in filled if self.quantized[b])
+        residual = sum(n for b, n in filled.items() if not self.quantized[b])
+        return quantized * self.bytes_per_block() + residual * self.residual_bytes_per_token()
+
+    def bytes_allocated(self) -> int:
+        """Every array of the device pool: residual pools, codes and flags."""
+        return self.k_pool.nbytes + self.v_pool.nbytes + self.k_codes.nbytes + self.v_codes.nbytes + \
+            self.quantized.nbytes
+
+
+def dequantized_pools(cache: QuantizedPagedKVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every device block of ``layer`` decoded at once: k, v [num_blocks, bs, Hkv, D] (tests' reference only)."""
+    ids = np.where(cache.quantized, cache.num_blocks, 0) + np.arange(cache.num_blocks)
+    return tuple(dequantize_tile(p, ids) for p in cache.pools(layer))
+
+
+def kv_bytes_per_token(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       group: int = 32) -> float:
+    """``QuantizedPagedKVCache.bytes_per_token`` without building one: L (K + V block bytes) / block_size.
+
+    For kivi* pass KIVI's residual as ``block_size`` (that is the block it uses).
+    """
+    fmt = kv_format(kv_dtype, group, block_size, num_kv_heads, head_dim)
+    return num_layers * sum(fmt.block_bytes()) / block_size
