@@ -33,6 +33,9 @@
 // (1..4) query heads per warp. The Python side (minikv_gpu.mla.mla_defines) checks and refuses
 // other sizes with a ConfigError naming them.
 
+// nvcc-check: MLA_R=512 MLA_P=64 HEAD_DIM=128 CACHE_HALF=0,1 MLA_HEADS_PER_WARP=2
+// nvcc-check: MLA_R=16 MLA_P=8 HEAD_DIM=16 CACHE_HALF=0,1 MLA_HEADS_PER_WARP=2
+
 #include "common.cuh"
 #include "split_k.cuh"
 
