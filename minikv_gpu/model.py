@@ -22,8 +22,8 @@ import numpy as np
 
 from minikv import model as _cpu
 from minikv.errors import ConfigError, DTypeError, ShapeError
-from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv.mla import LatentUp
+from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
 from minikv_gpu.mla import LatentContiguousKVCache, LatentNoCache, LatentPagedKVCache, mla_defines
 from minikv_gpu.paged import PagedKVCache
