@@ -193,6 +193,9 @@ class Model(_cpu.Model):
             head_dim_defines(c.head_dim)  # fail now, not at the first launch
         else:
             mla_defines(c.mla, self.cache_dtype)  # the latent kernels' sizes (ConfigError names them)
+            if self.fused:
+                raise ConfigError("fused=True is the GQA rope_write_attend kernel; an MLA model writes latents "
+                                  "(use fused=False)")
         check_weights(c, self.weights)
         up = lambda a: self.rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
         w = self.weights

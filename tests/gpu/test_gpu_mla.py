@@ -195,6 +195,8 @@ def test_mla_model_on_gpu_caches_equals_numpy(rt, cache, q_lora_rank):
 def test_sizes_the_kernel_cannot_load_are_refused_by_name(rt):
     with pytest.raises(ConfigError, match="kv_lora_rank=11, qk_rope_head_dim=4"):
         from_cpu(random_mla_model(), runtime=rt)
+    with pytest.raises(ConfigError, match="fused"):
+        from_cpu(random_mla_model(default_mla(kv_lora_rank=16, qk_rope_head_dim=8)), runtime=rt, fused=True)
     m = _mla(16, 4, 5, 7)
     with pytest.raises(ConfigError, match="qk_rope_head_dim=4"):
         gpu.LatentContiguousKVCache(1, 2, m, _ups(np.random.default_rng(0), 1, 2, m), 1, 8, runtime=rt)
