@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gpu_check_common import ATTN_RTOL, Timer, l2_bytes, rel_err
+from gpu_check_common import ATTN_RTOL, Timer, l2_bytes, randn, rel_err
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,10 @@ def _cache(rt, case: MLACase, layers: int, rng):
         cache.add_sequence(i)
     with cache.step(range(b), [s] * b):
         for li in range(layers):
-            cache.write(li, rt.asarray(rng.standard_normal((b * s, 1, case.width), dtype=np.float32)), None)
+            cache.write(li, randn(rt, rng, (b * s, 1, case.width)), None)
     cache.begin_step(range(b), [1] * b)
     for li in range(layers):
-        cache.write(li, rt.asarray(rng.standard_normal((b, 1, case.width), dtype=np.float32)), None)
+        cache.write(li, randn(rt, rng, (b, 1, case.width)), None)
     return cache, m
 
 
