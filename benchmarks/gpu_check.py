@@ -16,6 +16,9 @@ and ``gpu_check.md`` are rewritten after every stage, so a run cut short keeps w
    (``gpu_check_attention.py``); each case's ``ratios`` and the report's ``goal`` carry the ratios
    the goal is judged by (``GOAL_TARGETS``: v3 >= 85% of the copy, >= 1.0x the best SDPA backend);
 4. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``);
+   MLA: absorbed decode at DeepSeek-V3's shapes (128 heads, latent 512 + 64, float16 cache, a few
+   contexts; ``gpu_check_mla.py``): checked against ``minikv.mla``, bytes read per token, achieved
+   bandwidth against the copy and the multiply-add rate;
 5. sanitizer: ``compute-sanitizer`` memcheck and racecheck over a few GPU tests, if the tool exists
    and the time budget allows (``OUTDIR/sanitizer.log``);
 6. tests, last (the long stage): ``pytest -m gpu tests/gpu``, the kernel tests on CuPy plus full
@@ -56,6 +59,7 @@ from gpu_check_common import (  # noqa: E402
     copy_bandwidth,
 )
 from gpu_check_kv_cache import time_decode_attention  # noqa: E402
+from gpu_check_mla import run_mla  # noqa: E402
 from gpu_check_paged import time_paged_decode_attention  # noqa: E402
 from gpu_check_report import format_markdown, goal_summary, row_ratios, write_report  # noqa: E402
 
@@ -270,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     rep["compare"] = rep["compare"] or [{"error": "compare did not run (see stages)", "ok": False}]
     print("compare:", [{k: c.get(k) for k in ("cache", "cache_dtype", "fused", "max_abs_logit_diff", "tokens_agree")}
                        for c in rep["compare"]], flush=True)
+    rep["mla"] = run.stage("mla", lambda: run_mla(rt, timer, rep["copy"].get("gb_per_s", float("nan")), smoke),
+                           need_s=0 if smoke else 90) or []
+    rep["errors"] += [f"mla {c['case']}: {c['error']}" for c in rep["mla"] if "error" in c]
     # the sanitizer only where it leaves the tests at least 150 s; it gets at most 100 s itself
     rep["sanitizer"] = run.stage("sanitizer", lambda: run_sanitizer(args.outdir, min(100.0, run.left() - 150), smoke),
                                  need_s=0 if smoke else 200) or {"status": "not run", "reason": "budget"}

@@ -162,9 +162,24 @@ def _md_sdpa(report: dict) -> list[str]:
     return lines
 
 
+def _md_mla(report: dict) -> list[str]:
+    """The MLA absorbed-decode cases (gpu_check_mla.py): time, bytes per token, GB/s, fraction of the copy."""
+    lines = ["", "## MLA absorbed decode (float16 latent, kernel alone)", "",
+             "| case | us | bytes/token | GB/s | of copy | Tflop/s | note |", "|---|---|---|---|---|---|---|"]
+    for r in report.get("mla", []):
+        if "error" in r:
+            lines.append(f"| {r.get('case')} | - | - | - | - | - | {r['error'][:120]} |")
+            continue
+        lines.append(f"| {r['case']} | {_fmt(r['median_ms'] * 1e3, '.1f')} | {r['bytes_read_per_token']} | "
+                     f"{_fmt(r['gb_per_s'], '.1f')} | {_fmt(r['of_copy'], '.1%')} | {_fmt(r['tflop_per_s'], '.2f')} | "
+                     f"{r['layers_rotated']} layers rotated |")
+    return lines
+
+
 def format_markdown(report: dict) -> str:
     """The human-readable summary (also written to gpu_check.md)."""
     lines = _md_head(report) + _md_attention(report) + _md_sweep(report) + _md_paged(report) + _md_sdpa(report)
+    lines += _md_mla(report)
     lines += ["", "stages: " + ", ".join(f"{k} {v.get('status')} {v.get('seconds', '')}"
                                          for k, v in report.get("stages", {}).items())]
     if report.get("errors"):

@@ -13,8 +13,10 @@ Define sets: a source declares them in a comment line, for example
 
     // nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
 
-which means the cartesian product (4 builds here). A source without such a
-line is compiled once, with its own defaults. Dynamic shared memory is chosen
+which means the cartesian product (4 builds here). Several such lines mean the
+union of their products (mla.cu: DeepSeek-V3's R=512, P=64 and a small geometry,
+whose sizes do not mix). A source without such a line is compiled once, with its
+own defaults. Dynamic shared memory is chosen
 at launch and does not appear in ptxas's report.
 
 NVRTC. On a GPU, CuPy compiles the same sources with NVRTC, which has no host
@@ -67,7 +69,9 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def define_sets(source: Path) -> list[dict]:
-    """The define sets declared by the source's ``// nvcc-check:`` line ([{}] when there is none)."""
+    """The define sets declared by the source's ``// nvcc-check:`` lines ([{}] when there is none):
+    each line is a cartesian product, several lines their union (in order, duplicates dropped)."""
+    sets: list[dict] = []
     for line in source.read_text().splitlines():
         m = re.match(r"\s*//\s*nvcc-check:\s*(.*)$", line)
         if m:
@@ -76,8 +80,8 @@ def define_sets(source: Path) -> list[dict]:
                 name, values = item.split("=", 1)
                 names.append(name)
                 choices.append(values.split(","))
-            return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
-    return [{}]
+            sets += [d for d in (dict(zip(names, combo)) for combo in itertools.product(*choices)) if d not in sets]
+    return sets or [{}]
 
 
 def parse_ptxas(text: str) -> list[dict]:

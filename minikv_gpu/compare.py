@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from minikv import kv_cache as cpu_cache
+from minikv import mla as cpu_mla
 from minikv import paged as cpu_paged
 from minikv.bench.equivalence import max_abs_err, rel_err
 from minikv.errors import ConfigError, InvalidInputError, check_int
@@ -27,6 +28,7 @@ from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kind
 from minikv.model import Model as CpuModel
 from minikv.model import random_model
 from minikv_gpu import kv_cache as gpu_cache
+from minikv_gpu import mla as gpu_mla
 from minikv_gpu import paged as gpu_paged
 from minikv_gpu import runtime as _runtime
 from minikv_gpu.model import from_cpu
@@ -96,8 +98,23 @@ def smollm2_random(seed: int = 0) -> CpuModel:
     return random_model(seed=seed, **SMOLLM2_SHAPES)
 
 
+def _latent_pair(kind: str, model: CpuModel, max_len: int, cache_dtype, block_size, rt):
+    """``_cache_pair`` for an MLA model: the ``minikv.mla`` latent cache and its ``minikv_gpu.mla`` twin."""
+    args = model.new_cache_args()
+    if kind == "paged":
+        check_int("block_size", block_size, hint="a positive number of token slots per block")
+        args.update(num_blocks=cpu_paged.num_blocks_for(max_len, block_size), block_size=block_size, dtype=cache_dtype)
+        return cpu_mla.LatentPagedKVCache(**args), gpu_mla.LatentPagedKVCache(**args, runtime=rt)
+    if kind == "contiguous":
+        args.update(max_seqs=1, max_len=max_len, dtype=cache_dtype)
+        return cpu_mla.LatentContiguousKVCache(**args), gpu_mla.LatentContiguousKVCache(**args, runtime=rt)
+    return cpu_mla.LatentNoCache(**args, dtype=model.dtype), gpu_mla.LatentNoCache(**args, runtime=rt)
+
+
 def _cache_pair(kind: str, model: CpuModel, gpu, max_len: int, cache_dtype, block_size, rt):
     """The NumPy cache and its GPU twin of ``kind``, sized for one sequence of ``max_len`` tokens."""
+    if model.config.mla is not None:
+        return _latent_pair(kind, model, max_len, cache_dtype, block_size, rt)
     if kind == "paged":  # pools just large enough for the run
         check_int("block_size", block_size, hint="a positive number of token slots per block")
         num_blocks = cpu_paged.num_blocks_for(max_len, block_size)

@@ -6,6 +6,8 @@ as ``xp.matmul`` (cuBLAS on a GPU, NumPy's BLAS on the simulator). The model
 never knows which cache it runs on: it calls ``cache.write`` / ``cache.attend``
 of a ``minikv_gpu.kv_cache`` cache, or, with ``fused=True`` on a decode step,
 the fused ``rope_write_attend`` (RoPE + cache write + attention in one kernel).
+A DeepSeek-V2/V3 model (``config.mla``) runs ``mla_attention_block`` instead, over a
+``minikv_gpu.mla`` latent cache (absorbed attention, ``kernels/mla.cu``).
 
 Arrays returned are on the device (``runtime.xp``); ``runtime.asnumpy`` brings
 them back. Compute is float32 only; the cache may store float16.
@@ -20,8 +22,10 @@ import numpy as np
 
 from minikv import model as _cpu
 from minikv.errors import ConfigError, DTypeError, ShapeError
+from minikv.mla import LatentUp
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
+from minikv_gpu.mla import LatentContiguousKVCache, LatentNoCache, LatentPagedKVCache, mla_defines
 from minikv_gpu.paged import PagedKVCache
 from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines
 
@@ -29,6 +33,7 @@ __all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "
            "apply_rope", "random_model", "from_cpu"]
 
 THREADS = 256
+GPU_CACHES = (ContiguousKVCache, NoCache, PagedKVCache, LatentNoCache, LatentContiguousKVCache, LatentPagedKVCache)
 
 
 def _blocks(n: int) -> int:
@@ -108,6 +113,54 @@ class _FusedLayer:
 
 
 @dataclass
+class _MLADeviceLayer:
+    """``minikv.model._MLALayer`` on the device, matrices back to [in, out] (x @ W)."""
+
+    attn_norm: object
+    wa: object             # [H, Hq*(Dn+P) + W] or [H, Rq + W]: the query's first projection and kv_a, fused
+    ba: object             # its bias, or None
+    q_a_norm: object       # [Rq] or None
+    wq_b: object           # [Rq, Hq*(Dn+P)] or None
+    kv_a_norm: object      # [R]
+    wo: object             # [Hq*Dv, H]
+    bo: object             # [H] or None
+    mlp_norm: object
+    w_gate_up: object      # [H, 2 I]
+    w_down: object
+
+    @classmethod
+    def upload(cls, lw: "_cpu._MLALayer", up) -> "_MLADeviceLayer":
+        opt = lambda a, t=False: None if a is None else up(a.T if t else a)  # noqa: E731
+        return cls(up(lw.attn_norm), up(lw.wa_t.T), opt(lw.ba), opt(lw.q_a_norm), opt(lw.wq_b_t, True),
+                   up(lw.kv_a_norm), up(lw.wo_t.T), opt(lw.bo), up(lw.mlp_norm), up(lw.w_gate_up_t.T),
+                   up(lw.w_down_t.T))
+
+
+def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, rt):
+    """``minikv.model.mla_attention_block`` on the device: x [N, H] -> [N, H].
+
+    The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]`` [N, 1, W] and attends for
+    ``[q_nope ; RoPE(q_pe)]`` [N, Hq, Dn + P] (a ``minikv_gpu.mla`` latent cache)."""
+    m, xp, n, hq = cfg.mla, rt.xp, x.shape[0], cfg.num_heads
+    dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim
+    a = xp.matmul(rms_norm(x, lw.attn_norm, cfg.rms_eps, runtime=rt), lw.wa)
+    if lw.ba is not None:
+        a = a + lw.ba
+    q, kv_a = xp.ascontiguousarray(a[:, :-w]), a[:, -w:]
+    if lw.wq_b is not None:  # the low-rank query path: q_a -> RMSNorm -> q_b
+        q = xp.matmul(rms_norm(q, lw.q_a_norm, m.latent_eps, runtime=rt), lw.wq_b)
+    q = q.reshape(n, hq, m.qk_head_dim)
+    c_kv = rms_norm(xp.ascontiguousarray(kv_a[:, :r]), lw.kv_a_norm, m.latent_eps, runtime=rt)
+    # decoupled RoPE: the queries' last P dims and the one shared k_pe rotate in one launch
+    rot = apply_rope(xp.ascontiguousarray(xp.concatenate([q[:, :, dn:], kv_a[:, None, r:]], axis=1)), cos, sin,
+                     m.rope_layout, runtime=rt)
+    cache.write(li, xp.ascontiguousarray(xp.concatenate([c_kv, rot[:, hq]], axis=-1)[:, None]), None)
+    attn = cache.attend(li, xp.ascontiguousarray(xp.concatenate([q[:, :, :dn], rot[:, :hq]], axis=-1)))
+    out = xp.matmul(attn.reshape(n, hq * m.v_head_dim), lw.wo)
+    return out if lw.bo is None else out + lw.bo
+
+
+@dataclass
 class Model(_cpu.Model):
     """``minikv.model.Model`` on the GPU kernels.
 
@@ -135,17 +188,27 @@ class Model(_cpu.Model):
             raise DTypeError(f"cache_dtype={np.dtype(self.cache_dtype)}; use np.float32 or np.float16")
         self.dtype = np.float32
         c = self.config
-        if getattr(c, "mla", None) is not None:
-            raise ConfigError("this is an MLA model (DeepSeek-V2/V3 latent attention): step 4 has no GPU mirror yet "
-                              "(minikv_gpu has no mla module); run it with the NumPy reference, minikv.model.Model")
         self.rt = get_runtime(self.runtime)
-        head_dim_defines(c.head_dim)  # fail now, not at the first launch
+        if c.mla is None:
+            head_dim_defines(c.head_dim)  # fail now, not at the first launch
+        else:
+            mla_defines(c.mla, self.cache_dtype)  # the latent kernels' sizes (ConfigError names them)
+            if self.fused:
+                raise ConfigError("fused=True is the GQA rope_write_attend kernel; an MLA model writes latents "
+                                  "(use fused=False)")
         check_weights(c, self.weights)
         up = lambda a: self.rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
         w = self.weights
         self.embed = up(w.embed)
         self.lm_head = self.embed if w.lm_head is None else up(w.lm_head)
         self.final_norm = up(w.final_norm)
+        if c.mla is not None:
+            w32 = w.astype(np.float32)
+            self._layers = [_MLADeviceLayer.upload(_cpu._MLALayer.prepare(lw), up) for lw in w32.layers]
+            self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w32.layers]
+            cos, sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, np.float32, yarn=c.mla.yarn)
+            self.cos, self.sin = up(cos), up(sin)
+            return
         self._layers = [
             _FusedLayer(up(lw.attn_norm), up(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)), up(lw.wo),
                         up(lw.mlp_norm), up(np.concatenate([lw.w_gate, lw.w_up], axis=1)), up(lw.w_down))
@@ -155,8 +218,10 @@ class Model(_cpu.Model):
         self.cos, self.sin = up(cos), up(sin)
 
     def new_cache(self, max_seqs: int, max_len: int, **kwargs) -> ContiguousKVCache:
-        """A device ``ContiguousKVCache`` of this model's geometry, storing ``cache_dtype``."""
-        return ContiguousKVCache(**self.new_cache_args(), max_seqs=max_seqs, max_len=max_len,
+        """A device ``ContiguousKVCache`` of this model's geometry (an MLA model: a
+        ``minikv_gpu.mla.LatentContiguousKVCache``), storing ``cache_dtype``."""
+        kind = ContiguousKVCache if self.config.mla is None else LatentContiguousKVCache
+        return kind(**self.new_cache_args(), max_seqs=max_seqs, max_len=max_len,
                                  dtype=self.cache_dtype, runtime=self.rt, **kwargs)
 
     def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None, all_logits: bool = False):
@@ -168,9 +233,10 @@ class Model(_cpu.Model):
         returns: float32 logits on the device, [B, V] (each sequence's last token) or [N, V]
         """
         c, rt, xp = self.config, self.rt, self.rt.xp
-        if not isinstance(cache, (ContiguousKVCache, NoCache, PagedKVCache)):
+        if not isinstance(cache, GPU_CACHES):
             raise ConfigError(f"cache is a {type(cache).__module__}.{type(cache).__name__}; the GPU model needs a "
-                              "minikv_gpu.kv_cache or minikv_gpu.paged cache (e.g. model.new_cache(max_seqs, max_len))")
+                              "minikv_gpu.kv_cache, minikv_gpu.paged or minikv_gpu.mla cache "
+                              "(e.g. model.new_cache(max_seqs, max_len))")
         toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = rt.asarray(np.concatenate(toks))
         n, hq, hkv, d = int(ids.size), c.num_heads, c.num_kv_heads, c.head_dim
@@ -181,6 +247,10 @@ class Model(_cpu.Model):
             fused = self.fused and isinstance(cache, ContiguousKVCache) and all(t.size == 1 for t in toks)
             x = self.embed[ids]  # [N, H]
             for li, lw in enumerate(self._layers):
+                if c.mla is not None:
+                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, rt)
+                    x = x + self._mlp(x, lw)
+                    continue
                 h = rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt)
                 qkv = xp.matmul(h, lw.wqkv)  # [N, (Hq + 2 Hkv) D]
                 q = xp.ascontiguousarray(qkv[:, : hq * d]).reshape(n, hq, d)
@@ -194,8 +264,7 @@ class Model(_cpu.Model):
                     cache.write(li, k, v)
                     attn = cache.attend(li, q)  # [N, Hq, D]
                 x = x + xp.matmul(attn.reshape(n, hq * d), lw.wo)
-                h = rms_norm(x, lw.mlp_norm, c.rms_eps, runtime=rt)
-                x = x + xp.matmul(swiglu(xp.matmul(h, lw.w_gate_up), runtime=rt), lw.w_down)
+                x = x + self._mlp(x, lw)
             if not all_logits:
                 last = rt.asarray(np.cumsum([t.size for t in toks]) - 1)
                 x = x[last]
@@ -203,9 +272,14 @@ class Model(_cpu.Model):
         assert logits.dtype == np.float32, logits.dtype  # no silent float64 promotion
         return logits
 
+    def _mlp(self, x, lw):
+        """The SwiGLU MLP branch: x [N, H] -> [N, H]."""
+        h = rms_norm(x, lw.mlp_norm, self.config.rms_eps, runtime=self.rt)
+        return self.rt.xp.matmul(swiglu(self.rt.xp.matmul(h, lw.w_gate_up), runtime=self.rt), lw.w_down)
+
     def logits(self, ids: Sequence[int]):
-        """Uncached logits of every position of one sequence: [T, V] (GPU ``NoCache``)."""
-        cache = NoCache(**self.new_cache_args(), runtime=self.rt)
+        """Uncached logits of every position of one sequence: [T, V] (GPU ``NoCache``, ``LatentNoCache``)."""
+        cache = (NoCache if self.config.mla is None else LatentNoCache)(**self.new_cache_args(), runtime=self.rt)
         return self.forward([ids], cache, all_logits=True)
 
 

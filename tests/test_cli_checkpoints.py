@@ -71,10 +71,29 @@ def test_perplexity_on_a_checkpoint_equals_the_library_and_is_the_same_through_e
 
 def test_text_flags_and_the_gpu_path_are_refused_on_a_checkpoint_with_one_line(capsys, checkpoints):
     cases = [(["generate", "--prompt", "hi"], "--prompt-ids"),
-             (["compare", "--prompt-ids", "1,2,3", "--backend", "sim"], "no GPU mirror"),
+             (["compare", "--prompt-ids", "1,2,3", "--backend", "sim"], "kv_lora_rank=11"),  # R, P not x8
              (["generate", "--prompt-ids", "1,99999"], "99999")]
     for argv, says in cases:
         argv = argv[:1] + ["--model", str(checkpoints["deepseek"])] + argv[1:]
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, (argv, err)
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "none"])
+def test_compare_on_an_mla_checkpoint_agrees_with_numpy(capsys, tmp_path, cache):
+    """minikv compare on a DeepSeek-V3 checkpoint whose latent sizes the GPU kernel serves (R=16, P=8):
+    the simulator's GPU path gives the NumPy greedy tokens, max |dlogit| <= 1e-3."""
+    from tests.conftest import require_module
+    from tests.test_checkpoints import _deepseek, _randomize
+
+    torch, transformers = require_module("torch"), require_module("transformers")
+    torch.manual_seed(0)
+    model = _deepseek(transformers, torch, kv_lora_rank=16, qk_rope_head_dim=8)
+    _randomize(model, torch)
+    model.save_pretrained(tmp_path / "deepseek16")
+    assert main(["compare", "--model", str(tmp_path / "deepseek16"), "--prompt-ids", "1,2,3,4,5", "--backend", "sim",
+                 "--max-new-tokens", "4", "--cache", cache, "--block-size", "3", "--json"]) == 0
+    r = last_json(capsys)
+    assert r["tokens_agree"] and r["steps"] == 4 and r["cache"] == cache, r
+    assert r["max_abs_logit_diff"] <= 1e-3, r

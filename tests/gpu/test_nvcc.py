@@ -79,6 +79,17 @@ def test_v3_kernels_are_built_for_every_group_within_their_register_caps(rows):
             assert r["registers"] <= (128 if group <= 4 else 255) and r["stack_bytes"] == 0, r
 
 
+def test_mla_kernel_is_built_for_deepseek_and_a_small_geometry_within_its_register_cap(rows):
+    """mla.cu's decode kernel: R=512/P=64 (DeepSeek-V3) and R=16/P=8, fp32 and fp16 latents, both archs;
+    __launch_bounds__(256, 2) holds it to 128 registers; no stack frame (the per-lane q/acc arrays stay
+    in registers)."""
+    mla = [r for r in rows if r["kernel"] == "mla_decode_attention_v3"]
+    sizes = {(r["defines"].split("MLA_R=")[1].split()[0], r["defines"].split("CACHE_HALF=")[1].split()[0]) for r in mla}
+    assert sizes == {("512", "0"), ("512", "1"), ("16", "0"), ("16", "1")}, sizes
+    assert {r["arch"] for r in mla} == set(report.ARCHS)
+    assert all(r["registers"] <= 128 and r["stack_bytes"] == 0 for r in mla), report.format_table(mla)
+
+
 def test_every_source_compiles_with_nvrtc():
     """CuPy compiles with NVRTC, which lacks host headers (no INFINITY from <math.h>): nvcc alone misses that."""
     lib = found_or_skip(report.find_nvrtc(), "MINIKV_REQUIRE_NVRTC",
@@ -109,5 +120,7 @@ def test_define_sets_are_the_cartesian_product(tmp_path):
     src.write_text("// header\n// nvcc-check: A=1,2 B=x,y,z\nextern \"C\" __global__ void k() {}\n")
     sets = report.define_sets(src)
     assert len(sets) == 6 and {"A": "2", "B": "z"} in sets
+    src.write_text("// nvcc-check: A=1,2 B=x\n// nvcc-check: A=2,3 B=x\nextern \"C\" __global__ void k() {}\n")
+    assert report.define_sets(src) == [{"A": "1", "B": "x"}, {"A": "2", "B": "x"}, {"A": "3", "B": "x"}]  # union
     src.write_text("extern \"C\" __global__ void k() {}\n")
     assert report.define_sets(src) == [{}]
