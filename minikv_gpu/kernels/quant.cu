@@ -1,0 +1,295 @@
+// quant.cu: step 5, the quantized paged KV cache (minikv/quant.py) on the GPU.
+//
+// Storage (one layer; the cache keeps [L, ...] and passes a layer's contiguous view):
+//   k_pool, v_pool    [num_blocks, block_size, Hkv, D] CACHE_T   the residual: open blocks in full precision
+//   k_codes, v_codes  [num_blocks, block_bytes] uint8            full blocks, minikv.quant_codecs' bytes
+// A per-token codec stores block b, token t, KV head h as one row of ROW_BYTES = D/GROUP records
+// at k_codes[b] + (t*Hkv + h) * ROW_BYTES; a record is an fp16 scale (little-endian) then GROUP
+// one-byte codes. QCODEC selects the code:
+//   QCODEC 0  q8_0        GROUP 32 (llama.cpp's block): d = fp16(amax/127), q = roundf(x * (1/d)), int8
+//   QCODEC 1  fp8_e4m3fn  GROUP a multiple of 8 dividing D: s = fp16(amax/448), f = e4m3fn(clip(x * (1/s)))
+// Both bit-exact against minikv.quant_codecs' encode: the float32 scale and its float32 reciprocal
+// (0 for a zero scale), one float32 multiply (no FMA can form: nothing is added), ties away from zero
+// for q8_0 (C's roundf is exact), round to nearest even for the fp16 scale (__float2half_rn) and for the
+// fp8 cast, saturation at +-448 before it. fp8 is encoded and decoded by bit manipulation.
+//
+// Kernels (<op>_v<N>; N as in every .cu: v1 the plain version, v3 the register-resident decode design):
+//   quantize_blocks_v1          encode the blocks a step fills (K and V of one layer), from the residual
+//   quant_decode_attention_v3   attention over codes (full blocks) and the residual (the open block),
+//                               dequantized in registers; split partials for paged.cu's attention_reduce_v2
+//
+// Version log (llm.c style):
+//   quantize_blocks_v1: one thread per record (GROUP values of one token and head), K and V;
+//       a few blocks per step, so simple beats fast here.
+//   quant_decode_attention_v3: decode_v3.cuh's design with a codec loader: D/8 lanes per key, each
+//       lane dequantizes its 8 values (one record's scale and 8 codes) in registers, all G queries
+//       of the group in registers, online softmax per subgroup, decode_v3::finish for the merge.
+//       A key of block j is read from the codes iff the block is full at the row's position,
+//       (j+1)*block_size <= pos+1 (minikv.quant.view_tables' rule), else from the residual pool.
+//       Loss, known: a 34-byte record (q8_0, fp8 group 32) leaves the codes 2-byte aligned, so a lane
+//       reads its 8 codes as four 2-byte loads plus one for the scale instead of one 16-byte load.
+//       The bytes read are what counts for a bandwidth-bound kernel, but the load count is 5x.
+//   Measured: no GPU has run these kernels yet (ptxas: benchmarks/nvcc_report.py).
+//
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1
+
+#include "decode_v3.cuh"  // common.cuh, decode_v3::State / merge_into / finish / exp2_shifted
+
+#ifndef QCODEC
+#define QCODEC 0
+#endif
+#ifndef GROUP
+#define GROUP 32
+#endif
+
+#define QMAX (QCODEC == 0 ? 127.0f : 448.0f)      // the code's largest magnitude
+#define RECORD_BYTES (2 + GROUP)
+#define ROW_BYTES (HEAD_DIM / GROUP * RECORD_BYTES)  // one token and KV head
+
+static_assert(GROUP % VEC == 0 && HEAD_DIM % GROUP == 0, "GROUP must be a multiple of 8 that divides HEAD_DIM");
+static_assert(QCODEC != 0 || GROUP == 32, "q8_0 is llama.cpp's block of 32 values");
+
+namespace quant {
+
+// float32 (|x| <= 448, not NaN) -> OCP E4M3FN, round to nearest even (ml_dtypes' cast after the clip).
+__device__ __forceinline__ unsigned int e4m3_of(float x) {
+    const unsigned int sign = (__float_as_uint(x) >> 31) << 7;
+    const float a = fabsf(x);
+    if (a < 0.015625f) return sign | (unsigned int)rintf(a * 512.0f);  // subnormal step 2^-9; 8 is 2^-6
+    const unsigned int bits = __float_as_uint(a);
+    unsigned int code = ((((bits >> 23) & 0xFFu) - 120u) << 3) | ((bits >> 20) & 7u);  // bias 127 -> 7
+    const unsigned int rest = bits & 0xFFFFFu, half = 0x80000u;
+    if (rest > half || (rest == half && (code & 1u))) ++code;  // a carry moves into the exponent, as it should
+    return sign | code;
+}
+
+// E4M3FN code -> float32 (exact; 0x7F/0xFF, NaN, is never written by the encoder).
+__device__ __forceinline__ float e4m3_value(unsigned int c) {
+    const unsigned int e = (c >> 3) & 15u, m = c & 7u;
+    const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (c & 0x80u) ? -a : a;
+}
+
+__device__ __forceinline__ unsigned int code_of(float y) {
+#if QCODEC == 0
+    return (unsigned int)(unsigned char)(signed char)(int)roundf(y);  // ties away from zero, as ggml
+#else
+    return e4m3_of(fminf(fmaxf(y, -448.0f), 448.0f));  // saturate, then cast
+#endif
+}
+
+__device__ __forceinline__ float value_of(unsigned int c) {
+#if QCODEC == 0
+    return (float)(signed char)(unsigned char)c;
+#else
+    return e4m3_value(c);
+#endif
+}
+
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(__half x) { return __half2float(x); }
+
+__device__ __forceinline__ float fp16_bits_to_float(unsigned int u) {
+    return __half2float(__ushort_as_half((unsigned short)u));
+}
+
+// One record: GROUP values at src (cache_t) -> RECORD_BYTES bytes at dst.
+__device__ __forceinline__ void encode_record(const cache_t* src, unsigned char* dst) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(as_float(src[i])));
+    float d = amax / QMAX;
+#if QCODEC == 1
+    d = __half2float(__float2half_rn(d));  // fp8 quantizes with the stored fp16 scale
+#endif
+    const float inv = d == 0.0f ? 0.0f : 1.0f / d;
+    const unsigned int hs = __half_as_ushort(__float2half_rn(d));
+    dst[0] = (unsigned char)(hs & 0xFFu);
+    dst[1] = (unsigned char)(hs >> 8);
+    for (int i = 0; i < GROUP; ++i) dst[2 + i] = (unsigned char)code_of(as_float(src[i]) * inv);
+}
+
+}  // namespace quant
+
+// ---------------------------------------------------------------------------
+// quantize_blocks_v1: codes[blocks[i]] = encode(pool[blocks[i]]) for K and V of one layer.
+//
+//   k_pool, v_pool:   [num_blocks, block_size, Hkv, D] CACHE_T (the residual rows, all written)
+//   k_codes, v_codes: [num_blocks, block_size * Hkv * ROW_BYTES] uint8
+//   blocks:           [M] int32, the blocks this step fills (distinct)
+//   grid  = (M, ceil(block_size*Hkv*D/GROUP / 128)), block = (128): one thread per record
+//   bytes: reads 2 * M * block_size*Hkv*D*sizeof(CACHE_T), writes 2 * M * block_size*Hkv*ROW_BYTES
+// ---------------------------------------------------------------------------
+extern "C" __global__ void quantize_blocks_v1(const cache_t* __restrict__ k_pool, const cache_t* __restrict__ v_pool,
+                                              unsigned char* __restrict__ k_codes,
+                                              unsigned char* __restrict__ v_codes, const int* __restrict__ blocks,
+                                              int block_size, int n_kv_heads) {
+    const long long records = (long long)block_size * n_kv_heads * (HEAD_DIM / GROUP);
+    const long long r = (long long)blockIdx.y * blockDim.x + threadIdx.x;
+    if (r >= records) return;
+    const long long b = blocks[blockIdx.x];
+    const long long src = b * records * GROUP + r * GROUP;  // records of a block are consecutive groups
+    const long long dst = b * records * RECORD_BYTES + r * RECORD_BYTES;
+    quant::encode_record(k_pool + src, k_codes + dst);
+    quant::encode_record(v_pool + src, v_codes + dst);
+}
+
+namespace quant {
+
+using decode_v3::G;
+using decode_v3::LANES;
+using decode_v3::SUBGROUPS;
+using decode_v3::SUB_PER_WARP;
+using decode_v3::State;
+constexpr int UNROLL = G > 4 ? 1 : 2;  // keys per subgroup per iteration
+constexpr int KEYS_PER_ITER = SUBGROUPS * UNROLL;
+
+// Where key `key` of one (sequence, KV head) lives: its block table, both pools, and the rule.
+struct Rows {
+    const int* table;
+    const cache_t *k_res, *v_res;
+    const unsigned char *k_codes, *v_codes;
+    int block_size, n_kv_heads, h, ctx;  // ctx = pos + 1: block j is coded iff (j+1)*bs <= ctx
+};
+
+// 8 values of lane slice d0 of a key, dequantized (or read from the residual) to float.
+__device__ __forceinline__ void load8_codes(const unsigned char* rec_row, int d0, float* f) {
+    const unsigned char* rec = rec_row + (d0 / GROUP) * RECORD_BYTES;
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + d0 % GROUP);  // 2-byte aligned
+    const float d = fp16_bits_to_float(*reinterpret_cast<const unsigned short*>(rec));
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = p[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = d * value_of(w[i] & 0xFFu);
+        f[2 * i + 1] = d * value_of(w[i] >> 8);
+    }
+}
+
+__device__ __forceinline__ void load_kv(const Rows& r, int key, int d0, float* kf, float* vf) {
+    const int blk = key / r.block_size, off = key - blk * r.block_size;
+    const long long phys = r.table[blk];
+    const long long slot = phys * r.block_size + off;
+    if ((blk + 1) * r.block_size <= r.ctx) {
+        const long long row = (slot * r.n_kv_heads + r.h) * ROW_BYTES;
+        load8_codes(r.k_codes + row, d0, kf);
+        load8_codes(r.v_codes + row, d0, vf);
+    } else {
+        const long long row = (slot * r.n_kv_heads + r.h) * HEAD_DIM + d0;
+        load8(r.k_res + row, kf);
+        load8(r.v_res + row, vf);
+    }
+}
+
+// decode_v3::step with the codec loader: UNROLL keys key0 + u*SUBGROUPS (those >= k_end masked).
+__device__ __forceinline__ void step(const Rows& rows, int key0, int k_end, int d0, const float (&q)[G][VEC],
+                                     State& s) {
+    float kf[UNROLL][VEC], vf[UNROLL][VEC];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int key = key0 + u * SUBGROUPS;
+        if (key < k_end) {
+            load_kv(rows, key, d0, kf[u], vf[u]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) kf[u][i] = vf[u][i] = 0.0f;
+        }
+    }
+    float sc[UNROLL][G];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dot += q[g][i] * kf[u][i];
+            sc[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = s.m[g];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (key0 + u * SUBGROUPS >= k_end) sc[u][g] = -CUDART_INF_F;
+            mx = fmaxf(mx, sc[u][g]);
+        }
+        const float alpha = decode_v3::exp2_shifted(s.m[g], mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            sc[u][g] = decode_v3::exp2_shifted(sc[u][g], mx);
+            sum += sc[u][g];
+        }
+        s.l[g] = s.l[g] * alpha + sum;
+        s.m[g] = mx;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) s.acc[g][i] += sc[u][g] * vf[u][i];
+        }
+    }
+}
+
+}  // namespace quant
+
+// ---------------------------------------------------------------------------
+// quant_decode_attention_v3: block (n, h, z) attends the GQA_GROUP queries of row n, KV head h,
+// over keys [z*keys_per_split, (z+1)*keys_per_split) ∩ [0, token_pos[n]] of sequence token_seq[n]:
+// full blocks from the codes, the open block from the residual (as minikv.quant.view_tables).
+// Rows may be prefill rows too (each has its own position). n_splits == 1: out normalized; else
+// split partials (split_k.cuh's layout) for attention_reduce_v2.
+//
+//   q: [N, Hq, D] float32; pools/codes: one layer (see quantize_blocks_v1); block_tables [B, W] int32
+//   grid  = (N, Hkv, Z), block = (128): 4 warps, D/8 lanes per key (decode_v3.cuh)
+//   bytes: per coded key and KV head 2*ROW_BYTES (int8/fp8 group 32, D=128: 272, fp16 512), per
+//          residual key 2*D*sizeof(CACHE_T), q 4*N*Hq*D, 4 bytes of table per key and lane group
+//          (L1), writes 4*N*Hq*D or 4*N*Hq*Z*(D+2)
+// ---------------------------------------------------------------------------
+extern "C" __global__ void V3_LAUNCH_BOUNDS quant_decode_attention_v3(
+    const float* __restrict__ q, const cache_t* __restrict__ k_res, const cache_t* __restrict__ v_res,
+    const unsigned char* __restrict__ k_codes, const unsigned char* __restrict__ v_codes,
+    const int* __restrict__ block_tables, const int* __restrict__ token_seq, const int* __restrict__ token_pos,
+    float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
+    int n_heads, int n_kv_heads, int block_size, int max_blocks, int keys_per_split, int n_splits, float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads) __trap();
+    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+    const int ctx = token_pos[n] + 1;
+    const int k_begin = z * keys_per_split, k_end = min(ctx, k_begin + keys_per_split);
+    if (k_begin >= k_end) return;
+    const quant::Rows rows{block_tables + (long long)token_seq[n] * max_blocks, k_res, v_res, k_codes, v_codes,
+                           block_size, n_kv_heads, h, ctx};
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = warp * quant::SUB_PER_WARP + lane / quant::LANES, d0 = (lane % quant::LANES) * VEC;
+    const long long row0 = (long long)n * n_heads + (long long)h * GQA_GROUP;
+    float qr[quant::G][VEC];
+    const float qs = scale * decode_v3::LOG2E;
+#pragma unroll
+    for (int g = 0; g < quant::G; ++g) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) qr[g][i] = q[(row0 + g) * HEAD_DIM + d0 + i] * qs;
+    }
+    decode_v3::State s;
+#pragma unroll
+    for (int g = 0; g < quant::G; ++g) {
+        s.m[g] = -CUDART_INF_F;
+        s.l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] = 0.0f;
+    }
+    for (int base = k_begin; base < k_end; base += quant::KEYS_PER_ITER) quant::step(rows, base + sub, k_end, d0, qr, s);
+    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row0, z, n_splits});
+}
