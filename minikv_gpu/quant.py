@@ -13,8 +13,10 @@ published as quantized (commit), the ``quantized`` flags, the view tables. What 
   8 values per lane in registers; a key of block j comes from the codes iff the block is full at
   the row's position, else from the residual), split-K merged by ``attention_reduce_v2``.
 
-kv_dtypes on the GPU so far: ``int8`` (q8_0) and ``fp8`` (e4m3fn, ``group`` a multiple of 8 dividing
-head_dim). Others raise ConfigError naming these (the NumPy cache has them all).
+kv_dtypes on the GPU so far (``GPU_KV_DTYPES``): ``int8`` (q8_0), ``fp8`` (e4m3fn), ``kivi2`` (asym2 keys
+per channel, values per token; the block is KIVI's residual) and ``int4`` (q4_0); ``group`` a multiple of
+8 dividing head_dim (and block_size for kivi2). Others raise ConfigError naming these (the NumPy cache
+has them all).
 
 ``version``: None or 3 (the one attention kernel, ``quant_decode_attention_v3``; it serves prefill
 rows too, each at its own position); 1 and 2 raise ConfigError. head_dim a power of two, at most 8
@@ -36,7 +38,7 @@ from minikv_gpu.runtime import check_device_rows, check_version, device_f32, hea
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
 
-GPU_KV_DTYPES = {"int8": 0, "fp8": 1}  # kv_dtype -> QCODEC of kernels/quant.cu
+GPU_KV_DTYPES = {"int8": 0, "fp8": 1, "kivi2": 2, "int4": 3}  # kv_dtype -> QCODEC of kernels/quant.cu
 QUANT_THREADS = 128
 
 
@@ -45,7 +47,7 @@ def quant_defines(kv_dtype: str, group: int, head_dim: int, dtype) -> dict:
     if kv_dtype not in GPU_KV_DTYPES:
         raise ConfigError(f"kv_dtype={kv_dtype!r} has no GPU kernels yet; the GPU quantized cache serves "
                           f"{', '.join(GPU_KV_DTYPES)} (the NumPy minikv.quant has every kv_dtype)")
-    group = 32 if kv_dtype == "int8" else int(group)
+    group = 32 if kv_dtype in ("int8", "int4") else int(group)
     if group % 8 or head_dim % group:
         raise ConfigError(f"group={group}: the GPU kernels need a multiple of 8 that divides head_dim={head_dim}")
     return {**head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16),

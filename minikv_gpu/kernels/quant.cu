@@ -3,16 +3,21 @@
 // Storage (one layer; the cache keeps [L, ...] and passes a layer's contiguous view):
 //   k_pool, v_pool    [num_blocks, block_size, Hkv, D] CACHE_T   the residual: open blocks in full precision
 //   k_codes, v_codes  [num_blocks, block_bytes] uint8            full blocks, minikv.quant_codecs' bytes
-// A per-token codec stores block b, token t, KV head h as one row of ROW_BYTES = D/GROUP records
-// at k_codes[b] + (t*Hkv + h) * ROW_BYTES; a record is an fp16 scale (little-endian) then GROUP
-// one-byte codes. QCODEC selects the code:
-//   QCODEC 0  q8_0        GROUP 32 (llama.cpp's block): d = fp16(amax/127), q = roundf(x * (1/d)), int8
-//   QCODEC 1  fp8_e4m3fn  GROUP a multiple of 8 dividing D: s = fp16(amax/448), f = e4m3fn(clip(x * (1/s)))
-// Both bit-exact against minikv.quant_codecs' encode: the float32 scale and its float32 reciprocal
-// (0 for a zero scale), one float32 multiply (no FMA can form: nothing is added), ties away from zero
-// for q8_0 (C's roundf is exact), round to nearest even for the fp16 scale (__float2half_rn) and for the
-// fp8 cast, saturation at +-448 before it. fp8 is encoded and decoded by bit manipulation.
-//
+// A per-token side stores block b, token t, KV head h as one row of ROW_BYTES = D/GROUP records at
+// codes[b] + (t*Hkv + h) * ROW_BYTES; kivi2's keys store channel c = h*D + d of block b as
+// block_size/GROUP records of GROUP tokens at codes[b] + c * (block_size/GROUP) * CH_RECORD
+// (minikv.quant.Side's "channel" axis). QCODEC selects the format (kv_dtype: K / V):
+//   0  int8   q8_0 / q8_0      GROUP 32: fp16 d = amax/127, 32 x int8 roundf(x * (1/d))
+//   1  fp8    e4m3fn / e4m3fn  GROUP | D, 8 | GROUP: fp16 s = amax/448, GROUP x e4m3fn(clip(x * (1/s)))
+//   2  kivi2  asym2 per channel (GROUP tokens) / asym2 per token (GROUP channels): fp16 s = (max-min)/3,
+//             fp16 z = min, 2-bit clip(roundf((x - z) * (1/s)), 0, 3), value i at bits 2*(i%4) of byte i/4
+//   3  int4   q4_0 / q4_0      GROUP 32: fp16 d = max/-8, byte i = q[i] | q[i+16] << 4, q = trunc(x/d + 8.5)
+// All bit-exact against minikv.quant_codecs' encode: the same float32 operations in the same order
+// (a float32 scale and its float32 reciprocal, 0 for a zero scale; fp8/asym2 quantize with the fp16-
+// rounded scale, q8_0/q4_0 with the float32 one), roundf (ties away from zero, exact) where NumPy uses
+// round_half_away, truncf for q4_0, __float2half_rn (nearest even) for the fp16 scales, saturation at
+// +-448 before a nearest-even fp8 cast written by bit manipulation; __fmul_rn where an FMA could form.
+
 // Kernels (<op>_v<N>; N as in every .cu: v1 the plain version, v3 the register-resident decode design):
 //   quantize_blocks_v1          encode the blocks a step fills (K and V of one layer), from the residual
 //   quant_decode_attention_v3   attention over codes (full blocks) and the residual (the open block),
@@ -31,7 +36,7 @@
 //       The bytes read are what counts for a bandwidth-bound kernel, but the load count is 5x.
 //   Measured: no GPU has run these kernels yet (ptxas: benchmarks/nvcc_report.py).
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1,2,3
 
 #include "decode_v3.cuh"  // common.cuh, decode_v3::State / merge_into / finish / exp2_shifted
 
@@ -42,12 +47,20 @@
 #define GROUP 32
 #endif
 
-#define QMAX (QCODEC == 0 ? 127.0f : 448.0f)      // the code's largest magnitude
-#define RECORD_BYTES (2 + GROUP)
-#define ROW_BYTES (HEAD_DIM / GROUP * RECORD_BYTES)  // one token and KV head
+#define K_CHANNEL (QCODEC == 2)  // kivi2: keys per channel, groups of GROUP tokens of a block
+// A per-token record: GROUP values of one token and KV head along D.
+#if QCODEC == 0 || QCODEC == 1
+#define TOK_RECORD (2 + GROUP)       // fp16 scale, GROUP one-byte codes
+#elif QCODEC == 2
+#define TOK_RECORD (4 + GROUP / 4)   // fp16 scale, fp16 zero, GROUP two-bit codes
+#else
+#define TOK_RECORD (2 + GROUP / 2)   // q4_0: fp16 d, 16 bytes of nibbles
+#endif
+#define ROW_BYTES (HEAD_DIM / GROUP * TOK_RECORD)  // one token and KV head
+#define CH_RECORD (4 + GROUP / 4)                  // kivi2's keys: one channel, GROUP tokens
 
 static_assert(GROUP % VEC == 0 && HEAD_DIM % GROUP == 0, "GROUP must be a multiple of 8 that divides HEAD_DIM");
-static_assert(QCODEC != 0 || GROUP == 32, "q8_0 is llama.cpp's block of 32 values");
+static_assert((QCODEC != 0 && QCODEC != 3) || GROUP == 32, "q8_0 and q4_0 are llama.cpp's blocks of 32 values");
 
 namespace quant {
 
@@ -70,42 +83,84 @@ __device__ __forceinline__ float e4m3_value(unsigned int c) {
     return (c & 0x80u) ? -a : a;
 }
 
-__device__ __forceinline__ unsigned int code_of(float y) {
-#if QCODEC == 0
-    return (unsigned int)(unsigned char)(signed char)(int)roundf(y);  // ties away from zero, as ggml
-#else
-    return e4m3_of(fminf(fmaxf(y, -448.0f), 448.0f));  // saturate, then cast
-#endif
-}
-
-__device__ __forceinline__ float value_of(unsigned int c) {
-#if QCODEC == 0
-    return (float)(signed char)(unsigned char)c;
-#else
-    return e4m3_value(c);
-#endif
-}
-
 __device__ __forceinline__ float as_float(float x) { return x; }
 __device__ __forceinline__ float as_float(__half x) { return __half2float(x); }
-
-__device__ __forceinline__ float fp16_bits_to_float(unsigned int u) {
-    return __half2float(__ushort_as_half((unsigned short)u));
+__device__ __forceinline__ float fp16_round(float x) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float fp16_at(const unsigned char* p) {
+    return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
-
-// One record: GROUP values at src (cache_t) -> RECORD_BYTES bytes at dst.
-__device__ __forceinline__ void encode_record(const cache_t* src, unsigned char* dst) {
-    float amax = 0.0f;
-    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(as_float(src[i])));
-    float d = amax / QMAX;
-#if QCODEC == 1
-    d = __half2float(__float2half_rn(d));  // fp8 quantizes with the stored fp16 scale
-#endif
-    const float inv = d == 0.0f ? 0.0f : 1.0f / d;
-    const unsigned int hs = __half_as_ushort(__float2half_rn(d));
+__device__ __forceinline__ void put_fp16(unsigned char* dst, float x) {
+    const unsigned int hs = __half_as_ushort(__float2half_rn(x));
     dst[0] = (unsigned char)(hs & 0xFFu);
     dst[1] = (unsigned char)(hs >> 8);
-    for (int i = 0; i < GROUP; ++i) dst[2 + i] = (unsigned char)code_of(as_float(src[i]) * inv);
+}
+__device__ __forceinline__ float inverse(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
+
+// q8_0 (fp8 = false) or fp8 e4m3fn: GROUP values src[i * stride] -> 2 + GROUP bytes at dst.
+__device__ __forceinline__ void encode_scaled(const cache_t* src, bool fp8, unsigned char* dst) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(as_float(src[i])));
+    float d = amax / (fp8 ? 448.0f : 127.0f);
+    if (fp8) d = fp16_round(d);  // fp8 quantizes with the stored fp16 scale, q8_0 with the float32 one
+    const float inv = inverse(d);
+    put_fp16(dst, d);
+    for (int i = 0; i < GROUP; ++i) {
+        const float y = as_float(src[i]) * inv;
+        dst[2 + i] = fp8 ? (unsigned char)e4m3_of(fminf(fmaxf(y, -448.0f), 448.0f))        // saturate, cast
+                         : (unsigned char)(signed char)(int)roundf(y);                        // ties away, as ggml
+    }
+}
+
+// asym 2-bit (KIVI): GROUP values src[i * stride] -> fp16 s, fp16 z, GROUP/4 bytes (value i at bits 2*(i%4)).
+__device__ __forceinline__ void encode_asym2(const cache_t* src, long long stride, unsigned char* dst) {
+    float lo = CUDART_INF_F, hi = -CUDART_INF_F;
+    for (int i = 0; i < GROUP; ++i) {
+        const float x = as_float(src[i * stride]);
+        lo = fminf(lo, x);
+        hi = fmaxf(hi, x);
+    }
+    const float s = fp16_round((hi - lo) / 3.0f), z = fp16_round(lo), inv = inverse(s);
+    put_fp16(dst, s);
+    put_fp16(dst + 2, z);
+    for (int b = 0; b < GROUP / 4; ++b) {
+        unsigned int byte = 0;
+        for (int j = 0; j < 4; ++j) {
+            const float q = fminf(fmaxf(roundf((as_float(src[(4 * b + j) * stride]) - z) * inv), 0.0f), 3.0f);
+            byte |= (unsigned int)q << (2 * j);
+        }
+        dst[4 + b] = (unsigned char)byte;
+    }
+}
+
+// q4_0 (llama.cpp): 32 values -> fp16 d = max/-8 (signed largest |x|, first on ties), 16 bytes
+// q[i] | q[i+16] << 4 with q = min(trunc(x * (1/d) + 8.5), 15) (no FMA: the product is rounded first).
+__device__ __forceinline__ void encode_q4_0(const cache_t* src, unsigned char* dst) {
+    float big = as_float(src[0]), amax = fabsf(big);  // the first index wins a tie, as np.argmax
+    for (int i = 1; i < GROUP; ++i) {
+        const float x = as_float(src[i]);
+        if (fabsf(x) > amax) {
+            amax = fabsf(x);
+            big = x;
+        }
+    }
+    const float d = big / -8.0f, inv = inverse(d);
+    put_fp16(dst, d);
+    for (int i = 0; i < GROUP / 2; ++i) {
+        const unsigned int a = (unsigned int)fminf(truncf(__fmul_rn(as_float(src[i]), inv) + 8.5f), 15.0f);
+        const unsigned int b = (unsigned int)fminf(truncf(__fmul_rn(as_float(src[i + 16]), inv) + 8.5f), 15.0f);
+        dst[2 + i] = (unsigned char)(a | (b << 4));
+    }
+}
+
+// One per-token record (GROUP consecutive values) of the codec.
+__device__ __forceinline__ void encode_token_record(const cache_t* src, unsigned char* dst) {
+#if QCODEC == 0 || QCODEC == 1
+    encode_scaled(src, QCODEC == 1, dst);
+#elif QCODEC == 2
+    encode_asym2(src, 1, dst);
+#else
+    encode_q4_0(src, dst);
+#endif
 }
 
 }  // namespace quant
@@ -114,10 +169,12 @@ __device__ __forceinline__ void encode_record(const cache_t* src, unsigned char*
 // quantize_blocks_v1: codes[blocks[i]] = encode(pool[blocks[i]]) for K and V of one layer.
 //
 //   k_pool, v_pool:   [num_blocks, block_size, Hkv, D] CACHE_T (the residual rows, all written)
-//   k_codes, v_codes: [num_blocks, block_size * Hkv * ROW_BYTES] uint8
+//   k_codes, v_codes: [num_blocks, block bytes] uint8: per token [block_size, Hkv, ROW_BYTES];
+//                     kivi2's keys per channel [Hkv, D, block_size/GROUP, CH_RECORD]
 //   blocks:           [M] int32, the blocks this step fills (distinct)
-//   grid  = (M, ceil(block_size*Hkv*D/GROUP / 128)), block = (128): one thread per record
-//   bytes: reads 2 * M * block_size*Hkv*D*sizeof(CACHE_T), writes 2 * M * block_size*Hkv*ROW_BYTES
+//   grid  = (M, ceil(R / 128)), block = (128): thread r encodes K record r and V record r
+//           (R = block_size*Hkv*D/GROUP records per side; the same count for both layouts)
+//   bytes: reads 2 * M * block_size*Hkv*D*sizeof(CACHE_T), writes M * (K + V block bytes)
 // ---------------------------------------------------------------------------
 extern "C" __global__ void quantize_blocks_v1(const cache_t* __restrict__ k_pool, const cache_t* __restrict__ v_pool,
                                               unsigned char* __restrict__ k_codes,
@@ -127,10 +184,16 @@ extern "C" __global__ void quantize_blocks_v1(const cache_t* __restrict__ k_pool
     const long long r = (long long)blockIdx.y * blockDim.x + threadIdx.x;
     if (r >= records) return;
     const long long b = blocks[blockIdx.x];
-    const long long src = b * records * GROUP + r * GROUP;  // records of a block are consecutive groups
-    const long long dst = b * records * RECORD_BYTES + r * RECORD_BYTES;
-    quant::encode_record(k_pool + src, k_codes + dst);
-    quant::encode_record(v_pool + src, v_codes + dst);
+    const long long values = b * records * GROUP;  // the block's first element
+    quant::encode_token_record(v_pool + values + r * GROUP, v_codes + b * records * TOK_RECORD + r * TOK_RECORD);
+#if K_CHANNEL
+    const int per_channel = block_size / GROUP;
+    const long long chan = r / per_channel, j = r % per_channel;  // chan = h * D + d
+    quant::encode_asym2(k_pool + values + j * GROUP * n_kv_heads * HEAD_DIM + chan, (long long)n_kv_heads * HEAD_DIM,
+                        k_codes + b * records * CH_RECORD + r * CH_RECORD);
+#else
+    quant::encode_token_record(k_pool + values + r * GROUP, k_codes + b * records * TOK_RECORD + r * TOK_RECORD);
+#endif
 }
 
 namespace quant {
@@ -151,18 +214,59 @@ struct Rows {
     int block_size, n_kv_heads, h, ctx;  // ctx = pos + 1: block j is coded iff (j+1)*bs <= ctx
 };
 
-// 8 values of lane slice d0 of a key, dequantized (or read from the residual) to float.
-__device__ __forceinline__ void load8_codes(const unsigned char* rec_row, int d0, float* f) {
-    const unsigned char* rec = rec_row + (d0 / GROUP) * RECORD_BYTES;
-    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + d0 % GROUP);  // 2-byte aligned
-    const float d = fp16_bits_to_float(*reinterpret_cast<const unsigned short*>(rec));
-    unsigned int w[4];
+// A code byte -> its value before the scale (q8_0: int8; fp8: e4m3fn).
+__device__ __forceinline__ float value_of(unsigned int c) {
+#if QCODEC == 0
+    return (float)(signed char)(unsigned char)c;
+#else
+    return e4m3_value(c);
+#endif
+}
+
+// 8 values d0 .. d0+7 of one token's per-token row (ROW_BYTES at `row`), dequantized to float.
+// Records are 2-byte aligned at best (34, 12 or 18 bytes), so the loads are 2-byte ones.
+__device__ __forceinline__ void load8_token(const unsigned char* row, int d0, float* f) {
+    const unsigned char* rec = row + (d0 / GROUP) * TOK_RECORD;
+    const int w = d0 % GROUP;
+    const float d = fp16_at(rec);
+#if QCODEC == 0 || QCODEC == 1
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + w);
+    unsigned int c[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = p[i];
+    for (int i = 0; i < 4; ++i) c[i] = p[i];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        f[2 * i] = d * value_of(w[i] & 0xFFu);
-        f[2 * i + 1] = d * value_of(w[i] >> 8);
+        f[2 * i] = d * value_of(c[i] & 0xFFu);
+        f[2 * i + 1] = d * value_of(c[i] >> 8);
+    }
+#elif QCODEC == 2
+    const float z = fp16_at(rec + 2);
+    const unsigned int c = *reinterpret_cast<const unsigned short*>(rec + 4 + w / 4);  // 8 two-bit codes
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) f[i] = __fmul_rn(d, (float)((c >> (2 * i)) & 3u)) + z;  // s q + z, as NumPy
+#else
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + (w & 15));
+    const int shift = w >= 16 ? 4 : 0;  // values 16..31 are the high nibbles
+    unsigned int c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = p[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = d * ((float)((c[i] >> shift) & 15u) - 8.0f);
+        f[2 * i + 1] = d * ((float)((c[i] >> (8 + shift)) & 15u) - 8.0f);
+    }
+#endif
+}
+
+// kivi2's keys: channels d0 .. d0+7 of token `off` of a block, each from its own channel record.
+__device__ __forceinline__ void load8_channel(const unsigned char* blk, int block_size, int h, int off, int d0,
+                                              float* f) {
+    const int per_channel = block_size / GROUP, j = off / GROUP, t = off % GROUP;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+        const unsigned char* rec = blk + ((long long)(h * HEAD_DIM + d0 + i) * per_channel + j) * CH_RECORD;
+        const unsigned int c = (rec[4 + t / 4] >> (2 * (t % 4))) & 3u;
+        f[i] = __fmul_rn(fp16_at(rec), (float)c) + fp16_at(rec + 2);
     }
 }
 
@@ -172,8 +276,13 @@ __device__ __forceinline__ void load_kv(const Rows& r, int key, int d0, float* k
     const long long slot = phys * r.block_size + off;
     if ((blk + 1) * r.block_size <= r.ctx) {
         const long long row = (slot * r.n_kv_heads + r.h) * ROW_BYTES;
-        load8_codes(r.k_codes + row, d0, kf);
-        load8_codes(r.v_codes + row, d0, vf);
+#if K_CHANNEL
+        const long long block_bytes = (long long)r.block_size * r.n_kv_heads * ROW_BYTES;  // == K's for kivi2
+        load8_channel(r.k_codes + phys * block_bytes, r.block_size, r.h, off, d0, kf);
+#else
+        load8_token(r.k_codes + row, d0, kf);
+#endif
+        load8_token(r.v_codes + row, d0, vf);
     } else {
         const long long row = (slot * r.n_kv_heads + r.h) * HEAD_DIM + d0;
         load8(r.k_res + row, kf);

@@ -1,7 +1,7 @@
 """Step 5 kernels (kernels/quant.cu) and ``minikv_gpu.quant`` against ``minikv.quant``, on every backend.
 
-Stored bytes: ``quantize_blocks_v1`` writes exactly ``minikv.quant_codecs``' encode (q8_0, fp8 e4m3fn
-with groups 8 and 32), for fp32 and fp16 residual pools, on values spanning 2^-20 .. 2^20 (fp16: 2^+-10), exact
+Stored bytes: ``quantize_blocks_v1`` writes exactly ``minikv.quant``'s encode (int8 = q8_0, fp8 e4m3fn
+with groups 8 and 32, int4 = q4_0, kivi2 = asym2 keys per channel and values per token), for fp32 and fp16 residual pools, on values spanning 2^-20 .. 2^20 (fp16: 2^+-10), exact
 ties of the rounding, zero and constant groups, fp8 saturation and subnormals; blocks not listed
 (NaN-poisoned) are neither read nor written.
 
@@ -24,13 +24,12 @@ from minikv_gpu import quant as gq
 
 RTOL = KERNEL_RTOL
 LOGIT_RTOL = EXACT_RTOL[np.float32]
-CODECS = [("int8", "q8_0", 32), ("fp8", "fp8_e4m3fn", 32), ("fp8", "fp8_e4m3fn", 8)]
-CODEC_IDS = ["int8", "fp8_g32", "fp8_g8"]
+CODECS = [("int8", 32), ("fp8", 32), ("fp8", 8), ("int4", 32), ("kivi2", 32), ("kivi2", 8)]
+CODEC_IDS = ["int8", "fp8_g32", "fp8_g8", "int4", "kivi2_g32", "kivi2_g8"]
 
 
-def _odd_pool(rng, shape, dtype):
-    """Values over 40 binary orders of magnitude, with groups that hit the codecs' edge cases."""
-    top = 20 if dtype == np.float32 else 10  # fp16 pools: finite, above its subnormals at most
+def _odd_pool(rng, shape, dtype, top=20):
+    """Values over 2 * top binary orders of magnitude, with groups that hit the codecs' edge cases."""
     x = rng.standard_normal(shape) * np.exp2(rng.integers(-top, top + 1, shape[:-1] + (1,)))
     x[0, 0, 0, :32] = 0.0                                   # an all-zero group
     x[0, 1, 0, :32] = -3.25                                 # a constant group
@@ -42,22 +41,25 @@ def _odd_pool(rng, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("kv_dtype,name,group", CODECS, ids=CODEC_IDS)
-def test_quantize_blocks_is_bit_exact(rt, kv_dtype, name, group, dtype):
+@pytest.mark.parametrize("kv_dtype,group", CODECS, ids=CODEC_IDS)
+def test_quantize_blocks_is_bit_exact(rt, kv_dtype, group, dtype):
+    """K and V of the listed blocks equal the NumPy format's encode (kivi2: keys per channel)."""
     rng = np.random.default_rng(group + 3 * (dtype == np.float16))
-    nb, bs, hkv, d = 6, 4, 2, 64
-    k, v = _odd_pool(rng, (nb, bs, hkv, d), dtype), _odd_pool(rng, (nb, bs, hkv, d), dtype)[::-1].copy()
+    nb, bs, hkv, d = 6, max(4, group if kv_dtype == "kivi2" else 4), 2, 64
+    top = 20 if dtype == np.float32 and kv_dtype != "kivi2" else 10  # fp16 pools, kivi2's fp16 zero: finite
+    k, v = (_odd_pool(rng, (nb, bs, hkv, d), dtype, top) for _ in range(2))
+    k[4, :, 1, 3] = 0.75  # kivi2: a constant channel; int4: ties of |x| (the first one wins)
+    k[4, 0, 1, 32:] = np.tile([-2.0, 2.0], 16)
     blocks = np.array([0, 1, 4], np.int32)
     for pool in (k, v):
         pool[[2, 3, 5]] = np.nan  # not listed: must not be read
-    c = codec(name, group)
-    width = bs * hkv * c.bytes_for(d)
-    kc, vc = (np.full((nb, width), 0xA5, np.uint8) for _ in range(2))
+    fmt = ref.kv_format(kv_dtype, group, bs, hkv, d)
+    kc, vc = (np.full((nb, width), 0xA5, np.uint8) for width in fmt.block_bytes())
     dev = [rt.asarray(a) for a in (k, v, kc, vc)]
     gq.quantize_blocks(rt, gq.quant_defines(kv_dtype, group, d, dtype), *dev, rt.asarray(blocks))
-    for got, pool, before in ((dev[2], k, kc), (dev[3], v, vc)):
+    for got, pool, before, side in ((dev[2], k, kc, fmt.k), (dev[3], v, vc, fmt.v)):
         got = rt.asnumpy(got)
-        want = c.encode(pool[blocks].astype(np.float32)).reshape(len(blocks), width)
+        want = side.encode(pool[blocks].astype(np.float32))
         assert np.array_equal(got[blocks], want)
         others = np.setdiff1d(np.arange(nb), blocks)
         assert np.array_equal(got[others], before[others])  # untouched
@@ -120,17 +122,17 @@ class CacheTwin:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("fp8", 32), ("fp8", 16)], ids=["int8", "fp8", "fp8_g16"])
+@pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("fp8", 32), ("fp8", 16), ("int4", 32), ("kivi2", 8)],
+                         ids=["int8", "fp8", "fp8_g16", "int4", "kivi2_g8"])
 @pytest.mark.parametrize("heads", [(8, 2, 64), (4, 4, 32), (16, 2, 128)], ids=["g4_d64", "g1_d32", "g8_d128"])
 def test_cache_attention_equals_numpy(rt, kv_dtype, group, heads, dtype):
     hq, hkv, d = heads
-    if d % group:
-        pytest.skip("group does not divide head_dim")
-    tw = CacheTwin(rt, kv_dtype, group, block_size=4, hq=hq, hkv=hkv, d=d, dtype=dtype)
-    tw.step(["a", "b"], [9, 3])        # prefill: rows see their own blocks full or residual
+    bs = 8 if kv_dtype == "kivi2" else 4  # kivi2: the block is KIVI's residual, a multiple of the group
+    tw = CacheTwin(rt, kv_dtype, group, block_size=bs, hq=hq, hkv=hkv, d=d, dtype=dtype)
+    tw.step(["a", "b"], [2 * bs + 1, bs - 1])  # prefill: rows see their own blocks full or residual
     for _ in range(2):
-        tw.step(["a", "b"], [1, 1])    # decode: "b" fills its first block at its 4th token
-    tw.step(["b", "c"], [1, 6])        # a decode row and a prefill in one step
+        tw.step(["a", "b"], [1, 1])            # decode: "b" fills its first block
+    tw.step(["b", "c"], [1, bs + 2])           # a decode row and a prefill in one step
 
 
 def test_split_cache_attention_equals_numpy(rt):
@@ -154,7 +156,7 @@ def test_fork_and_copy_on_write_copy_codes(rt):
 def test_refusals(rt):
     args = dict(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=4, block_size=32, runtime=rt)
     with pytest.raises(ConfigError, match="no GPU kernels yet"):
-        gq.QuantizedPagedKVCache(**args, kv_dtype="kivi2")
+        gq.QuantizedPagedKVCache(**args, kv_dtype="kivi4")
     with pytest.raises(ConfigError, match="quant_decode_attention_v3"):
         gq.QuantizedPagedKVCache(**args, kv_dtype="int8", version=1)
     with pytest.raises(ConfigError, match="multiple of 8"):
@@ -164,11 +166,12 @@ def test_refusals(rt):
 TINY = dict(num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32, hidden_size=48, intermediate_size=70)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4", "kivi2"])
 def test_tiny_model_on_the_gpu_quantized_cache_equals_numpy(rt, kv_dtype):
     cpu = random_model(seed=11, **TINY)
     gpu = gpu_model.from_cpu(cpu, runtime=rt)
-    args = dict(**cpu.new_cache_args(), num_blocks=16, block_size=4, kv_dtype=kv_dtype)
+    args = dict(**cpu.new_cache_args(), num_blocks=16, block_size=4 if kv_dtype != "kivi2" else 8, group=8,
+                kv_dtype=kv_dtype)
     c_cpu, c_gpu = ref.QuantizedPagedKVCache(**args), gq.QuantizedPagedKVCache(**args, runtime=rt)
     rng = np.random.default_rng(5)
     for c in (c_cpu, c_gpu):
@@ -181,6 +184,6 @@ def test_tiny_model_on_the_gpu_quantized_cache_equals_numpy(rt, kv_dtype):
         got = rt.asnumpy(gpu.forward(tokens, c_gpu, [0, 1], all_logits=True))
         assert rel_err(got, want) <= LOGIT_RTOL
         assert np.array_equal(got.argmax(-1), want.argmax(-1))
-    assert c_gpu.quantized.sum() == c_cpu.quantized.sum() >= 3
+    assert c_gpu.quantized.sum() == c_cpu.quantized.sum() >= (1 if kv_dtype == "kivi2" else 3)
     for layer in range(2):
         assert np.array_equal(rt.asnumpy(c_gpu.k_codes[layer]), c_cpu.k_codes[layer])
