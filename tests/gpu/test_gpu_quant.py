@@ -1,7 +1,8 @@
 """Step 5 kernels (kernels/quant.cu) and ``minikv_gpu.quant`` against ``minikv.quant``, on every backend.
 
-Stored bytes: ``quantize_blocks_v1`` writes exactly ``minikv.quant``'s encode (int8 = q8_0, fp8 e4m3fn
-with groups 8 and 32, int4 = q4_0, kivi2 = asym2 keys per channel and values per token), for fp32 and fp16 residual pools, on values spanning 2^-20 .. 2^20 (fp16: 2^+-10), exact
+Stored bytes: ``quantize_blocks_v1`` writes exactly ``minikv.quant``'s encode (int8 = q8_0, fp8
+e4m3fn with groups 8 and 32, int4 = q4_0, kivi2 = asym2 keys per channel and values per token),
+for fp32 and fp16 residual pools, on values spanning 2^-20 .. 2^20 (fp16 and kivi2: 2^+-10), exact
 ties of the rounding, zero and constant groups, fp8 saturation and subnormals; blocks not listed
 (NaN-poisoned) are neither read nor written.
 
@@ -187,3 +188,24 @@ def test_tiny_model_on_the_gpu_quantized_cache_equals_numpy(rt, kv_dtype):
     assert c_gpu.quantized.sum() == c_cpu.quantized.sum() >= (1 if kv_dtype == "kivi2" else 3)
     for layer in range(2):
         assert np.array_equal(rt.asnumpy(c_gpu.k_codes[layer]), c_cpu.k_codes[layer])
+
+
+def test_gpu_check_quant_sim_smoke(sim_rt, tmp_path):
+    """benchmarks/gpu_check_quant.py at toy sizes: every kv_dtype timed against fp16, bytes per token right."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("gpu_check_quant", bench / "gpu_check_quant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path / "q.json"), "--sim-smoke"]) == 0
+    res = json.loads((tmp_path / "q.json").read_text())
+    hkv, d = res["case"]["num_kv_heads"], res["case"]["head_dim"]
+    assert res["fp16"]["bytes_per_token"] == 4 * hkv * d and res["fp16"]["median_ms"] > 0
+    for kv in ("int8", "fp8"):
+        assert res[kv]["bytes_per_token"] == 2 * hkv * d // 32 * 34 and res[kv]["finite"]
+        assert res[kv]["speedup_vs_fp16"] > 0 and 0 < res[kv]["rel_err_vs_fp16"] < 0.1
