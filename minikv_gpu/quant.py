@@ -122,6 +122,8 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
     # -- storage hooks: residual rows (the GPU pools' kernels), codes, flags ------------------------
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         _gpu_paged.PagedKVCache._copy_blocks(self, pairs)
+        if not len(pairs):
+            return
         src, dst = (self.rt.asarray(np.asarray(ids, dtype=np.int64)) for ids in zip(*pairs))
         for codes in (self.k_codes, self.v_codes):
             codes[:, dst] = codes[:, src]

@@ -88,10 +88,10 @@ class CacheTwin:
     """The NumPy quantized cache and the GPU one, fed the same K/V; attention and codes compared."""
 
     def __init__(self, rt, kv_dtype="int8", group=32, block_size=4, hq=8, hkv=2, d=64, dtype=np.float32,
-                 num_blocks=24, **gpu_kw):
+                 num_blocks=24, num_host_blocks=0, **gpu_kw):
         self.rt, self.hq, self.hkv, self.d = rt, hq, hkv, d
         args = dict(num_layers=2, num_kv_heads=hkv, head_dim=d, num_blocks=num_blocks, block_size=block_size,
-                    dtype=dtype, kv_dtype=kv_dtype, group=group)
+                    dtype=dtype, kv_dtype=kv_dtype, group=group, num_host_blocks=num_host_blocks)
         self.cpu = ref.QuantizedPagedKVCache(**args)
         self.gpu = gq.QuantizedPagedKVCache(**args, runtime=rt, **gpu_kw)
         self.cpu.k_pool[:] = np.nan
@@ -152,6 +152,23 @@ def test_fork_and_copy_on_write_copy_codes(rt):
     tw.step(["a", "c"], [1, 1])
     tw.step(["a", "c"], [1, 3])
     assert tw.cpu.cow_copies == tw.gpu.cow_copies == 1
+
+
+@pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("kivi2", 8)])
+def test_swap_out_and_in_keep_codes_and_flags(rt, kv_dtype, group):
+    tw = CacheTwin(rt, kv_dtype, group, block_size=8, num_host_blocks=8)
+    tw.step(["a", "b"], [19, 3])
+    for c in (tw.cpu, tw.gpu):
+        c.swap_out("a")
+    assert np.array_equal(tw.cpu.host_k_codes, tw.gpu.host_k_codes)
+    assert np.array_equal(tw.cpu.host_quantized, tw.gpu.host_quantized) and tw.gpu.host_quantized.sum() == 2
+    tw.step(["b"], [9])  # "b" reuses device blocks "a" left
+    for c in (tw.cpu, tw.gpu):
+        c.swap_in("a")
+    tw.step(["a", "b"], [1, 1])
+    for layer in range(2):
+        for x, y in zip(tw.cpu.read_kv("a", layer), tw.gpu.read_kv("a", layer)):
+            assert np.array_equal(x, y)
 
 
 def test_refusals(rt):
