@@ -34,7 +34,12 @@
 //       Loss, known: a 34-byte record (q8_0, fp8 group 32) leaves the codes 2-byte aligned, so a lane
 //       reads its 8 codes as four 2-byte loads plus one for the scale instead of one 16-byte load.
 //       The bytes read are what counts for a bandwidth-bound kernel, but the load count is 5x.
-//   Measured: no GPU has run these kernels yet (ptxas: benchmarks/nvcc_report.py).
+//       kivi2's keys cost more: each of a lane's 8 channels is its own record (scale, zero, one code
+//       byte: 8 x 3 small loads per key, the records of G consecutive tokens hitting L1); int4 (18-byte
+//       q4_0 records) reads 8 nibbles as four 2-byte loads.
+//   Measured: no GPU has run these kernels yet. ptxas (nvcc 13.0, sm_80/sm_90, the nvcc-check set):
+//       quant_decode_attention_v3 72-102 registers at G=1, 119-128 at G=4, 186-244 at G=8;
+//       quantize_blocks_v1 31-70; 0 spills, no stack frame; NVRTC compiles all 96 builds.
 //
 // nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1,2,3
 
