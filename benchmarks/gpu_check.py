@@ -15,6 +15,8 @@ and ``gpu_check.md`` are rewritten after every stage, so a run cut short keeps w
    bandwidth, its fraction of the copy, and every torch SDPA backend on the same data
    (``gpu_check_attention.py``); each case's ``ratios`` and the report's ``goal`` carry the ratios
    the goal is judged by (``GOAL_TARGETS``: v3 >= 85% of the copy, >= 1.0x the best SDPA backend);
+3b. quant (``gpu_check_quant.py``): int8 and fp8 quantized decode attention against the fp16 v3
+   kernel at context 8192 (B=16, 32/8 heads, D=128): time, bytes per token, speed-up (goal >= 1.6x);
 4. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``);
    MLA: absorbed decode at DeepSeek-V3's shapes (128 heads, latent 512 + 64, float16 cache, a few
    contexts; ``gpu_check_mla.py``): checked against ``minikv.mla``, bytes read per token, achieved
@@ -61,6 +63,7 @@ from gpu_check_common import (  # noqa: E402
 from gpu_check_kv_cache import time_decode_attention  # noqa: E402
 from gpu_check_mla import run_mla  # noqa: E402
 from gpu_check_paged import time_paged_decode_attention  # noqa: E402
+from gpu_check_quant import run_quant  # noqa: E402
 from gpu_check_report import format_markdown, goal_summary, row_ratios, write_report  # noqa: E402
 
 from minikv.errors import BackendUnavailableError  # noqa: E402
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in SMOKE_CASES if smoke else FULL_CASES:
         run.stage(f"attention {case.name} {case.dtype}", lambda c=case: run_case(rep, rt, c, timer, rng),
                   need_s=0 if smoke or case is GOAL_CASE else 200)
+    rep["quant"] = run.stage("quant", lambda: run_quant(rt, smoke, timer, rep["copy"].get("gb_per_s", float("nan"))),
+                             need_s=0 if smoke else 150) or {"status": "not run"}
     rep["compare"] = run.stage("compare", lambda: run_compares(rt, args.model, smoke), need_s=0 if smoke else 120)
     rep["compare"] = rep["compare"] or [{"error": "compare did not run (see stages)", "ok": False}]
     print("compare:", [{k: c.get(k) for k in ("cache", "cache_dtype", "fused", "max_abs_logit_diff", "tokens_agree")}
