@@ -22,7 +22,7 @@ SHAPE_FLAGS = {
 # flag dest -> memory_report argument, where the two names differ or a message may name the argument
 RUN_FLAGS = {"batch": "batch", "prompt_len": "prompt_len", "output_len": "output_len", "dtype": "dtype",
              "weights_dtype": "weights_dtype", "group_size": "group_size", "scale_bytes": "scale_bytes",
-             "mlp": "mlp", "tied": "tie_embeddings", "group": "group", "kv_dtype": "kv_dtype"}
+             "mlp": "mlp", "tied": "tie_embeddings"}
 
 
 def flag_of(name: str) -> str:
@@ -123,7 +123,7 @@ def _kv_dtype_lines(shape, args, tokens: int) -> dict:
     try:
         per_token = kv_dtype_bytes_per_token(shape, args.kv_dtype, args.group)
     except MinikvError as e:
-        raise _naming_flags(e) from e
+        raise type(e)(f"{e} (set by --kv-dtype)") from e
     parts = []
     for side, (dtype, group, scale) in zip("KV", kv_dtype_sides(args.kv_dtype, args.group)):
         half = kv_bytes_per_token(shape, dtype, group, scale) // 2
