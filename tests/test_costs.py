@@ -480,3 +480,32 @@ def test_smollm2_preset_matches_the_real_model(smollm2):
     arrays = [w.embed, w.final_norm] + [a for lw in w.layers for a in vars(lw).values()]
     arrays += [] if w.lm_head is None else [w.lm_head]
     assert sum(a.size for a in arrays) == param_count(smol)["total"]
+
+
+# --- minikv memory --kv-dtype: the formula with scales equals minikv.quant's bytes ---------------
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_kv_dtype_bytes_equal_the_quantized_cache(preset, group):
+    from minikv.costs import KV_DTYPE_COSTS, get_preset, kv_dtype_bytes_per_token
+    from minikv.quant import KV_DTYPES, is_kivi, kv_bytes_per_token
+
+    assert set(KV_DTYPE_COSTS) == set(KV_DTYPES)
+    s = get_preset(preset)
+    for kv_dtype in KV_DTYPES:
+        block = 128 if is_kivi(kv_dtype) else 16  # kivi's block is the residual R
+        want = kv_bytes_per_token(kv_dtype, s.num_layers, s.num_kv_heads, s.head_dim, block, group)
+        assert kv_dtype_bytes_per_token(s, kv_dtype, group) == want, kv_dtype
+
+
+def test_kv_dtype_on_the_command_line(capsys):
+    assert main(["memory", "--preset", "smollm2-135m", "--prompt-len", "100", "--output-len", "28",
+                 "--kv-dtype", "kivi2", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    assert r["kv_dtype"] == "kivi2" and r["kv_dtype_bytes_per_token"] == 30 * 3 * 2 * (16 + 2 * 4)
+    assert r["kv_dtype_cache_bytes"] == 128 * r["kv_dtype_bytes_per_token"]
+    assert "int2 + a 4-byte scale per 32 values" in out[-2]
+    assert main(["memory", "--preset", "deepseek-v2-lite", "--kv-dtype", "int8"]) == 2
+    assert "MLA latent cache is not quantized" in capsys.readouterr().err

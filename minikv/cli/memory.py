@@ -42,7 +42,7 @@ def _naming_flags(e: MinikvError) -> MinikvError:
 
 
 def add_memory(sub) -> None:
-    from minikv.costs import DTYPE_BITS, MLP_KINDS, PRESETS
+    from minikv.costs import DTYPE_BITS, KV_DTYPE_COSTS, MLP_KINDS, PRESETS
 
     p = sub.add_parser("memory", help="KV-cache and weight memory; FLOPs per token with and without cache",
                        description="Memory and FLOPs of a model preset or of a shape given by flags "
@@ -60,6 +60,9 @@ def add_memory(sub) -> None:
     p.add_argument("--group-size", type=int, default=None,
                    help="for fp8/int8/int4 caches: count one scale per this many values (default: no scales)")
     p.add_argument("--scale-bytes", type=int, default=2, help="bytes per group scale (default 2, one fp16)")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPE_COSTS), default=None,
+                   help="also size the cache in a minikv.quant format (scales included, per K and V)")
+    p.add_argument("--group", type=int, default=32, help="values per scale of --kv-dtype kivi*/fp8* (default 32)")
     g = p.add_argument_group("shape (instead of, or on top of, --preset)")
     for flag, field in SHAPE_FLAGS.items():
         g.add_argument("--" + flag.replace("_", "-"), type=int, default=None, dest=flag,
@@ -106,6 +109,28 @@ def _run_memory(args) -> int:
     except MinikvError as e:
         raise _naming_flags(e) from e
     print(render_report(rep, shape, field_label=flag_of))
+    if args.kv_dtype is not None:
+        rep.update(_kv_dtype_lines(shape, args, rep["tokens_per_sequence"] * args.batch))
     if args.json:
         print_json(rep)
     return 0
+
+
+def _kv_dtype_lines(shape, args, tokens: int) -> dict:
+    """Print the --kv-dtype formula per side; its JSON keys."""
+    from minikv.costs import kv_bytes_per_token, kv_dtype_bytes_per_token, kv_dtype_sides
+
+    try:
+        per_token = kv_dtype_bytes_per_token(shape, args.kv_dtype, args.group)
+    except MinikvError as e:
+        raise type(e)(f"{e} (set by --kv-dtype)") from e
+    parts = []
+    for side, (dtype, group, scale) in zip("KV", kv_dtype_sides(args.kv_dtype, args.group)):
+        half = kv_bytes_per_token(shape, dtype, group, scale) // 2
+        how = f"{dtype}" if group is None else f"{dtype} + a {scale}-byte scale per {group} values"
+        parts.append(f"{side}: {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} values as {how} "
+                     f"= {half:,} B")
+    print(f"--kv-dtype {args.kv_dtype} (group {args.group}): {'; '.join(parts)}; {per_token:,} bytes per token, "
+          f"{per_token * tokens:,} bytes for {tokens:,} tokens")
+    return {"kv_dtype": args.kv_dtype, "kv_dtype_group": args.group, "kv_dtype_bytes_per_token": per_token,
+            "kv_dtype_cache_bytes": per_token * tokens}

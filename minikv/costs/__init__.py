@@ -25,9 +25,12 @@ from minikv.costs.flops import (
     recompute_flops,
 )
 from minikv.costs.memory import (
+    KV_DTYPE_COSTS,
     expanded_kv_values_per_token,
     kv_bytes_per_token,
     kv_cache_bytes,
+    kv_dtype_bytes_per_token,
+    kv_dtype_sides,
     kv_values_per_token,
     param_count,
     weights_bytes,
@@ -45,7 +48,8 @@ from minikv.costs.shape import (
 )
 
 __all__ = [
-    "DTYPE_BITS", "FLOP_PARTS", "MLP_KINDS", "NORM_KINDS", "PRESETS", "QUANTIZED_DTYPES", "ModelShape",
+    "DTYPE_BITS", "FLOP_PARTS", "KV_DTYPE_COSTS", "kv_dtype_bytes_per_token", "kv_dtype_sides",
+    "MLP_KINDS", "NORM_KINDS", "PRESETS", "QUANTIZED_DTYPES", "ModelShape",
     "arithmetic_intensity", "cache_speedup", "decode_flops", "dtype_bytes", "expanded_kv_values_per_token",
     "format_bytes", "format_count", "forward_flops", "generation_flops", "get_preset", "kv_bytes_per_token",
     "kv_cache_bytes", "kv_values_per_token", "layer_flops", "memory_report", "param_count", "recompute_flops",

@@ -167,3 +167,34 @@ def weights_bytes(shape: ModelShape, dtype: str = "fp16", active: bool = False) 
     """Parameter count x dtype bytes (no quantization scale overhead), rounded up to whole bytes."""
     return ceil_div(param_count(shape, active)["total"] * DTYPE_BITS[check_dtype(dtype)], 8)
 
+
+
+# --- the quantized KV formats of minikv.quant (step 5) --------------------------------------------
+
+# kv_dtype -> ((dtype, group, scale_bytes) of K, of V); group None: no scales, "G": the chosen group.
+# q8_0/q4_0 carry one fp16 scale per 32 values, q4_1 and KIVI's asym codes an fp16 scale and an fp16
+# zero point, fp8 one fp16 scale. KIVI's keys are grouped along G tokens of a channel instead of G
+# values of a token: per token the average is the same (G divides head_dim and the residual).
+KV_DTYPE_COSTS = {
+    "fp32": (("fp32", None, 2),) * 2, "fp16": (("fp16", None, 2),) * 2, "bf16": (("bf16", None, 2),) * 2,
+    "int8": (("int8", 32, 2),) * 2, "int4": (("int4", 32, 2),) * 2, "q4_1": (("int4", 32, 4),) * 2,
+    "kivi2": (("int2", "G", 4),) * 2, "kivi4": (("int4", "G", 4),) * 2,
+    "fp8": (("fp8", "G", 2),) * 2, "fp8_e5m2": (("fp8", "G", 2),) * 2,
+    "k16v8": (("fp16", None, 2), ("int8", 32, 2)),
+}
+
+
+def kv_dtype_sides(kv_dtype: str, group: int = 32) -> tuple[tuple[str, int | None, int], ...]:
+    """``KV_DTYPE_COSTS[kv_dtype]`` with the chosen ``group`` filled in (ConfigError for an unknown name)."""
+    if kv_dtype not in KV_DTYPE_COSTS:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} is not known; use one of {', '.join(KV_DTYPE_COSTS)}")
+    group = check_int("group", group, hint="values per scale, e.g. 32")
+    return tuple((d, group if g == "G" else g, sb) for d, g, sb in KV_DTYPE_COSTS[kv_dtype])
+
+
+def kv_dtype_bytes_per_token(shape: ModelShape, kv_dtype: str, group: int = 32) -> int:
+    """Cache bytes per token of ``kv_dtype`` (``minikv.quant``), scales included: K's half plus V's half
+    of ``kv_bytes_per_token`` at each side's dtype, group and scale bytes (K/V caches only, not MLA)."""
+    if shape.is_mla:
+        raise ConfigError(f"kv_dtype={kv_dtype!r}: the MLA latent cache is not quantized in minikv; use dtype")
+    return sum(kv_bytes_per_token(shape, d, g, sb) // 2 for d, g, sb in kv_dtype_sides(kv_dtype, group))

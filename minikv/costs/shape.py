@@ -17,8 +17,8 @@ from minikv.errors import ConfigError, check_int
 
 # --- dtypes ------------------------------------------------------------------------------------
 
-DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
-QUANTIZED_DTYPES = ("fp8", "int8", "int4")  # the ones that may carry per-group scales
+DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+QUANTIZED_DTYPES = ("fp8", "int8", "int4", "int2")  # the ones that may carry per-group scales
 
 
 def check_dtype(dtype: str) -> str:
