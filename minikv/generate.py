@@ -219,8 +219,11 @@ class GenerationResult:
 
 def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
            sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
-           result: GenerationResult | None = None) -> Iterator[int]:
+           result: GenerationResult | None = None, kv_dtype: str | None = None, group: int = 32,
+           residual: int = 128) -> Iterator[int]:
     """Yield new token ids one by one as they are generated; stops at EOS or ``max_new_tokens``.
+
+    ``kv_dtype``/``group``/``residual``: the quantized K/V of ``make_cache`` (paged cache only).
 
     ``result`` (optional) is filled in as generation proceeds: timings and
     tokens, for the caller to read when the iterator is exhausted.
@@ -235,7 +238,8 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
         return
     check_context(model.config.max_position, prompt.size, max_new_tokens)
     rng = sampling.new_rng()
-    kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size)
+    kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
+                    group=group, residual=residual)
     kv.add_sequence(0)
     ids = prompt.tolist()
 
@@ -263,10 +267,12 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
              sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
-             on_token: Callable[[int], None] | None = None) -> GenerationResult:
+             on_token: Callable[[int], None] | None = None, kv_dtype: str | None = None, group: int = 32,
+             residual: int = 128) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; see ``stream``."""
     result = GenerationResult(prompt_ids=[])  # stream() fills it in
-    for tok in stream(model, prompt_ids, max_new_tokens, cache, sampling, eos_token_id, block_size, result):
+    for tok in stream(model, prompt_ids, max_new_tokens, cache, sampling, eos_token_id, block_size, result,
+                      kv_dtype=kv_dtype, group=group, residual=residual):
         if on_token is not None:
             on_token(tok)
     return result

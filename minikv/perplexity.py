@@ -28,6 +28,9 @@ Hooks for the lossy steps (5: quantization, 6: eviction):
   (``zip`` two generators over the same ids): that is where step 5's KL
   divergence against the exact run, top-1 agreement and the perplexity delta plug in
   (see ``NextTokenNLL`` for the shape of a metric).
+* ``perplexity_vs_exact(model, ids, cache_factory)`` is that zip: the lossy cache and the exact
+  one in lockstep, scored by ``VersusExact`` (mean KL(exact || lossy) in nats, top-1
+  agreement, ppl_lossy / ppl_exact - 1), one chunk of each run held at a time.
 """
 
 from __future__ import annotations
@@ -156,3 +159,69 @@ def perplexity(model: Model, ids: Sequence[int], cache: str = "contiguous", pref
     for metric in metrics:
         out.update(metric.result())
     return out
+
+
+# --- a lossy cache against the exact run (step 5) ------------------------------------------------
+
+
+class VersusExact:
+    """KL(exact || lossy), top-1 agreement and both NLLs over paired chunks of log-probabilities.
+
+    ``update(exact, lossy, targets)`` takes the float64 log-probabilities [n, V] of the same n
+    positions from the two runs. Per position ``KL = sum_v p_v (log p_v - log q_v)`` with p the exact
+    distribution (natural log); a row's sum is clamped at 0, the bound it can only miss by rounding.
+    """
+
+    def __init__(self) -> None:
+        self.exact, self.lossy = NextTokenNLL(), NextTokenNLL()
+        self.kl_sum, self.kl_max, self.agree = 0.0, 0.0, 0
+
+    def update(self, exact: np.ndarray, lossy: np.ndarray, targets: np.ndarray) -> None:
+        kl = np.maximum((np.exp(exact) * (exact - lossy)).sum(axis=-1), 0.0)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.agree += int((exact.argmax(axis=-1) == lossy.argmax(axis=-1)).sum())
+        self.exact.update(exact, targets)
+        self.lossy.update(lossy, targets)
+
+    def result(self) -> dict:
+        n, ex = self.lossy.count, self.exact.result()
+        return {**self.lossy.result(), "ppl_exact": ex["ppl"], "mean_nll_exact": ex["mean_nll"],
+                "kld_vs_exact": self.kl_sum / n, "kld_max_vs_exact": self.kl_max,
+                "top1_vs_exact": self.agree / n, "delta_ppl": math.exp(self.lossy.total / n - ex["mean_nll"]) - 1.0}
+
+
+def perplexity_vs_exact(model: Model, ids: Sequence[int], cache_factory: Callable[[Model, int], KVCacheBase],
+                        prefill: int = 1, exact_cache: str = "contiguous", block_size: int = 16,
+                        label: str = "lossy", progress: Callable[[int], None] | None = None) -> dict:
+    """Teacher-forced run through ``cache_factory``'s cache and the exact ``exact_cache``, in lockstep.
+
+    Both runs see the same ids and the same prefill; the two ``teacher_forced_logits``
+    generators are zipped, so one chunk of each is held at a time (never T x V).
+    returns: ``perplexity``'s keys for the lossy run ("cache" is ``label``) plus "ppl_exact",
+             "mean_nll_exact", "kld_vs_exact" (mean KL(exact || lossy) of the next-token
+             distributions, nats), "kld_max_vs_exact", "top1_vs_exact" (fraction of positions whose
+             argmax agrees) and "delta_ppl" (ppl_lossy / ppl_exact - 1)
+    """
+    arr = check_eval_ids(model, ids, prefill)
+    max_len = arr.size - 1
+    exact = make_cache(exact_cache, model, max_len=max_len, block_size=block_size)
+    lossy = cache_factory(model, max_len)
+    recompute = cache_kind(exact_cache).recompute
+    for kv in (exact, lossy):
+        kv.add_sequence(0)
+    versus = VersusExact()
+    t0 = time.perf_counter()
+    pairs = zip(teacher_forced_logits(model, arr, exact, prefill, recompute),
+                teacher_forced_logits(model, arr, lossy, prefill))
+    for (start, ex), (_, lo) in pairs:
+        for row in range(0, ex.shape[0], SCORE_ROWS):
+            targets = arr[start + row + 1: start + row + 1 + ex[row: row + SCORE_ROWS].shape[0]]
+            versus.update(log_softmax(ex[row: row + SCORE_ROWS]), log_softmax(lo[row: row + SCORE_ROWS]), targets)
+        if progress is not None:
+            progress(int(ex.shape[0]))
+    elapsed = time.perf_counter() - t0
+    res = versus.result()
+    return {"tokens": int(arr.size), **res, "cache": label, "prefill": int(prefill),
+            "cache_bytes_per_token": float(lossy.bytes_per_token()), "elapsed_s": elapsed,
+            "tokens_per_s": res["scored_tokens"] / elapsed if elapsed > 0 else float("nan")}

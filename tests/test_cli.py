@@ -203,3 +203,47 @@ def test_compare_takes_prompt_ids_and_reports_them(capsys):
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["prompt_ids"] == [7, 300, 49151] and r["prompt_tokens"] == 3 and r["tokens_agree"]
+
+
+def test_perplexity_kv_dtype_reports_the_error_against_the_plain_cache(capsys, checkpoint_dir, tmp_path):
+    from minikv.cli import common
+    from minikv.generate import make_cache
+    from minikv.perplexity import perplexity_vs_exact
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i) for i in range(1, 21)))
+    argv = ["perplexity", "--ids-file", str(ids), "--prefill", "2", "--json", "--model", checkpoint_dir]
+    assert main([*argv, "--kv-dtype", "kivi4", "--group", "4", "--residual", "8"]) == 0  # default --cache: paged
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    assert "against the plain paged cache: KL" in out[-2]
+    assert r["cache"] == "paged" and r["kv_dtype"] == "kivi4" and r["group"] == 4 and r["residual"] == 8
+    model = common._load_checkpoint(checkpoint_dir)
+    want = perplexity_vs_exact(model, list(range(1, 21)), lambda m, n: make_cache(
+        "paged", m, max_len=n, kv_dtype="kivi4", group=4, residual=8), prefill=2, exact_cache="paged")
+    for key in ("kld_vs_exact", "top1_vs_exact", "delta_ppl", "ppl", "cache_bytes_per_token"):
+        assert r[key] == pytest.approx(want[key], rel=1e-12, abs=1e-300), key
+    assert r["kld_vs_exact"] > 0 and 0 <= r["top1_vs_exact"] <= 1
+    assert main([*argv, "--kv-dtype", "fp32"]) == 0  # the plain cache: no comparison to make
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plain["kv_dtype"] == "fp32" and plain["cache"] == "contiguous" and "kld_vs_exact" not in plain
+
+
+def test_generate_kv_dtype_defaults_to_the_paged_cache(capsys, checkpoint_dir):
+    argv = ["generate", "--prompt-ids", "1 2 3", "--max-new-tokens", "12", "--greedy", "--json",
+            "--model", checkpoint_dir]
+    assert main([*argv, "--kv-dtype", "fp16"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["cache"] == "paged" and r["kv_dtype"] == "fp16" and r["token_ids"]
+    assert r["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 2  # fp16 K and V
+    assert main([*argv, "--kv-dtype", "kivi2", "--group", "4", "--residual", "4"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["kv_dtype"] == "kivi2" and r["token_ids"] and r["cache_bytes_per_token"] < 2 * 2 * 2 * 8 * 8
+
+
+def test_a_group_the_shape_refuses_is_one_line(capsys, checkpoint_dir, tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3 4 5")
+    assert main(["perplexity", "--ids-file", str(ids), "--kv-dtype", "int8", "--model", checkpoint_dir]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim=8" in err[0] and "kv_dtype='int8'" in err[0]

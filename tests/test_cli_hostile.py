@@ -278,3 +278,14 @@ def test_a_checkpoint_directory_without_minikv_checkpoints_is_refused(monkeypatc
     monkeypatch.setitem(sys.modules, "minikv.checkpoints", None)  # importing it raises ImportError
     line = assert_refused(["generate", "--prompt-ids", "1,2", "--model", str(tmp_path)], "--model")
     assert "ModelFormatError" in line and "minikv.checkpoints" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "perplexity"])
+@pytest.mark.parametrize("cache", ["contiguous", "none"])
+def test_a_quantized_kv_dtype_on_a_layout_without_blocks_is_refused(command, cache, bad_models, input_files):
+    argv = [inputs if a == GOOD_IDS_FILE else a for a in base_argv(command, bad_models["junk"])
+            for inputs in [input_files["good"]]]
+    line = assert_refused([*argv, "--cache", cache, "--kv-dtype", "int8"], f"--cache {cache} --kv-dtype int8")
+    assert "use --cache paged" in line
+    # fp32 is the plain cache: any layout takes it (then the junk model is what is refused)
+    assert_refused([*argv, "--cache", cache, "--kv-dtype", "fp32"], "--model")

@@ -125,3 +125,83 @@ def test_a_long_prefill_is_scored_in_slices_with_the_same_result(tiny, monkeypat
     sliced = perplexity(model, ids, prefill=22, progress=ticks.append)
     assert sliced["scored_tokens"] == 22 and ticks == [22]
     assert abs(sliced["mean_nll"] - whole) <= 1e-12 * abs(whole)
+
+
+# --- a lossy cache against the exact run ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantizable():
+    """A tiny float64 model whose head_dim (32) every codec's group divides."""
+    model = random_model(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                         intermediate_size=48, vocab_size=61, dtype=np.float64, seed=7)
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 61, size=40)]
+    return model, ids
+
+
+def quantized(kv_dtype, residual=16, group=8):
+    return lambda m, n: make_cache("paged", m, max_len=n, block_size=8, kv_dtype=kv_dtype, residual=residual,
+                                    group=group)
+
+
+def test_the_exact_cache_against_itself_has_zero_kld(quantizable):
+    from minikv.perplexity import perplexity_vs_exact
+
+    model, ids = quantizable
+    same = perplexity_vs_exact(model, ids, lambda m, n: make_cache("contiguous", m, max_len=n), prefill=3)
+    assert same["kld_vs_exact"] == 0.0 and same["kld_max_vs_exact"] == 0.0 and same["delta_ppl"] == 0.0
+    assert same["top1_vs_exact"] == 1.0 and same["mean_nll"] == same["mean_nll_exact"]
+    # the paged layout sums in another order: float64 rounding only
+    paged = perplexity_vs_exact(model, ids, lambda m, n: make_cache("paged", m, max_len=n), prefill=3)
+    assert 0.0 <= paged["kld_vs_exact"] <= 1e-14 and abs(paged["delta_ppl"]) <= 1e-12
+    assert paged["top1_vs_exact"] == 1.0
+    assert paged["mean_nll"] == pytest.approx(uncached_nll(model, ids), rel=1e-10)
+
+
+def test_fp16_storage_is_tiny_and_a_destructive_cache_is_large(quantizable):
+    from minikv.kv_cache import ContiguousKVCache
+    from minikv.perplexity import perplexity_vs_exact
+
+    class Forgetful(ContiguousKVCache):  # zeroes the values it is handed
+        def write(self, layer, k, v):
+            super().write(layer, k, np.zeros_like(v))
+
+    model, ids = quantizable
+    fp16 = perplexity_vs_exact(model, ids, quantized("fp16"))
+    broken = perplexity_vs_exact(model, ids, lambda m, n: Forgetful(**m.new_cache_args(), max_seqs=1, max_len=n,
+                                                                    dtype=m.dtype))
+    assert 0.0 < fp16["kld_vs_exact"] < 1e-5, fp16["kld_vs_exact"]
+    assert broken["kld_vs_exact"] > 1e3 * fp16["kld_vs_exact"] and broken["kld_vs_exact"] > 1e-2
+    assert fp16["cache_bytes_per_token"] == 2 * 2 * 1 * 32 * 2  # K and V, 2 layers, 1 KV head, 32 dims, fp16
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "kivi2", "kivi4", "fp8", "k16v8", "bf16"])
+def test_the_metrics_equal_a_direct_computation_from_two_logit_arrays(quantizable, kv_dtype):
+    """Lockstep zip == the full [T-1, V] logits of both runs scored at once (the definition)."""
+    from minikv.perplexity import perplexity_vs_exact, teacher_forced_logits
+
+    model, ids = quantizable
+    arr = np.asarray(ids)
+    runs = []
+    for factory in (lambda m, n: make_cache("contiguous", m, max_len=n), quantized(kv_dtype)):
+        kv = factory(model, arr.size - 1)
+        kv.add_sequence(0)
+        runs.append(log_softmax(np.concatenate([lg for _, lg in teacher_forced_logits(model, arr, kv, 2)])))
+    p, q = runs
+    targets = arr[1:]
+    kl = (np.exp(p) * (p - q)).sum(axis=-1)
+    nll_p, nll_q = -p[np.arange(targets.size), targets].mean(), -q[np.arange(targets.size), targets].mean()
+    got = perplexity_vs_exact(model, ids, quantized(kv_dtype), prefill=2)
+    assert np.all(kl >= -1e-15) and got["kld_vs_exact"] >= 0.0
+    assert got["kld_vs_exact"] == pytest.approx(np.maximum(kl, 0).mean(), rel=1e-9, abs=1e-18)
+    assert got["top1_vs_exact"] == np.mean(p.argmax(-1) == q.argmax(-1))
+    assert got["delta_ppl"] == pytest.approx(math.exp(nll_q) / math.exp(nll_p) - 1, rel=1e-9, abs=1e-15)
+    assert got["ppl"] == pytest.approx(math.exp(nll_q), rel=1e-12)
+    assert got["ppl_exact"] == pytest.approx(math.exp(nll_p), rel=1e-12)
+
+
+def test_versus_exact_refuses_bad_ids_like_perplexity(quantizable):
+    from minikv.perplexity import perplexity_vs_exact
+
+    with pytest.raises(InvalidInputError, match="prefill=40"):
+        perplexity_vs_exact(quantizable[0], quantizable[1], quantized("int8"), prefill=40)

@@ -50,6 +50,8 @@ INT_FLAGS = {
     "--requests": (1, MAX_BENCH_REQUESTS, "the benchmark simulates about ten requests a second"),
     "--max-tokens": (2, MAX_COUNT, "each scored token is predicted by the ones before it, so at least 2"),
     "--prefill": (1, MAX_COUNT, "tokens fed in the first pass, fewer than the tokens evaluated"),
+    "--group": (1, MAX_COUNT, "values per quantization scale of kivi*/fp8*, e.g. 32 (it must divide head_dim)"),
+    "--residual": (1, MAX_COUNT, "KIVI's full-precision tokens, a multiple of --group, e.g. 128"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {
@@ -223,6 +225,30 @@ def require_tokenizer(tok, what: str, instead: str) -> None:
     if tok is None:
         raise InvalidInputError(f"{what} needs a tokenizer, and a checkpoint directory (--model DIR) has none; "
                                 f"use {instead}")
+
+
+def add_kv_dtype_flags(p: argparse.ArgumentParser) -> None:
+    """``--kv-dtype``, ``--group``, ``--residual``: the quantized KV formats of ``minikv.quant``."""
+    from minikv.quant import KV_DTYPES
+
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
+                   help="store K/V in this format (minikv.quant.KV_DTYPES; paged cache only, the default --cache "
+                        "then; fp32 = the plain cache)")
+    p.add_argument("--group", type=int, default=32, help="values per scale for kivi*/fp8* (default 32)")
+    p.add_argument("--residual", type=int, default=128,
+                   help="KIVI's residual R for kivi*: the tokens kept in full precision, the block size (default 128)")
+
+
+def resolve_cache(args) -> str:
+    """``--cache``, defaulting to "contiguous", or to "paged" under a quantized ``--kv-dtype``; an explicit
+    other layout with a quantized ``--kv-dtype`` is refused (InvalidInputError naming both flags)."""
+    quantized = args.kv_dtype not in (None, "fp32")
+    if args.cache is None:
+        return "paged" if quantized else "contiguous"
+    if quantized and args.cache != "paged":
+        raise InvalidInputError(f"--cache {args.cache} --kv-dtype {args.kv_dtype}: quantized K/V live in paged "
+                                "blocks; use --cache paged (or leave --cache out)")
+    return args.cache
 
 
 def progress(total: int | None, desc: str):

@@ -12,6 +12,7 @@ flags here (a codec, a window) and their metrics there (KL against the exact run
 from __future__ import annotations
 
 from minikv.cli.common import (
+    add_kv_dtype_flags,
     add_model_flag,
     check_ids,
     load_model_arg,
@@ -20,6 +21,7 @@ from minikv.cli.common import (
     progress,
     read_input_file,
     require_tokenizer,
+    resolve_cache,
 )
 from minikv.cli.text import cache_help
 from minikv.errors import InvalidInputError, check_int
@@ -38,9 +40,13 @@ def add_perplexity(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens (default: all)")
     p.add_argument("--prefill", type=int, default=1,
                    help="tokens fed in the first pass (default 1: every later token is decoded through the cache)")
-    p.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous", help=cache_help())
+    p.add_argument("--cache", choices=list(CACHE_KINDS), default=None,
+                   help="(default: contiguous; paged with a quantized --kv-dtype) " + cache_help())
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
-    p.add_argument("--json", action="store_true", help="print one JSON line last with tokens, mean_nll, ppl, ...")
+    add_kv_dtype_flags(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON line last with tokens, mean_nll, ppl, ...; with a quantized --kv-dtype also "
+                        "kld_vs_exact, top1_vs_exact, delta_ppl against the same run through the plain cache")
     add_model_flag(p)
     p.set_defaults(func=_run_perplexity)
 
@@ -72,10 +78,40 @@ def _eval_ids(args, model, tok, ids) -> tuple[list[int], str]:
     return ids, where
 
 
-def _run_perplexity(args) -> int:
-    from minikv.perplexity import perplexity
+def _quantized_factory(args, model):
+    """``factory(model, max_len)`` of the --kv-dtype cache, or None for the plain one; a group or residual
+    the model's shape refuses is refused here, before any run (ConfigError)."""
+    from minikv.generate import make_cache
 
+    if args.kv_dtype in (None, "fp32"):
+        return None
+
+    def factory(m, n):
+        return make_cache(args.cache, m, max_len=n, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                          group=args.group, residual=args.residual)
+
+    factory(model, 1)
+    return factory
+
+
+def _measure(model, ids, args, factory, bar) -> dict:
+    """The run: ``perplexity``, or with a quantized --kv-dtype ``perplexity_vs_exact`` against the plain cache."""
+    from minikv.perplexity import perplexity, perplexity_vs_exact
+
+    if factory is None:
+        res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
+                         progress=bar.update)
+    else:
+        res = perplexity_vs_exact(model, ids, factory, prefill=args.prefill, exact_cache=args.cache,
+                                  block_size=args.block_size, label=args.cache, progress=bar.update)
+    quantized = args.kv_dtype not in (None, "fp32")
+    return {**res, "kv_dtype": args.kv_dtype or "fp32", "group": args.group if quantized else None,
+            "residual": args.residual if quantized and args.kv_dtype.startswith("kivi") else None}
+
+
+def _run_perplexity(args) -> int:
     # the input is read and checked before the model loads
+    args.cache = resolve_cache(args)
     ids = None
     if args.ids_file is not None:
         ids = parse_ids(read_input_file(args.ids_file, "--ids-file"), f"--ids-file={args.ids_file!r}")
@@ -84,13 +120,16 @@ def _run_perplexity(args) -> int:
         args.text = read_input_file(args.text_file, "--text-file")
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
+    factory = _quantized_factory(args, model)
     with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar:
-        res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
-                         progress=bar.update)
+        res = _measure(model, ids, args, factory, bar)
     print(f"{where}: {res['tokens']} tokens, {res['scored_tokens']} scored through the {args.cache} cache "
-          f"(prefill {res['prefill']}): mean NLL {res['mean_nll']:.4f} nats, perplexity {res['ppl']:.3f}; "
-          f"{res['cache_bytes_per_token']:,} cache bytes per token; {res['elapsed_s']:.2f} s "
-          f"({res['tokens_per_s']:.1f} tokens/s)")
+          f"(kv_dtype {res['kv_dtype']}, prefill {res['prefill']}): mean NLL {res['mean_nll']:.4f} nats, "
+          f"perplexity {res['ppl']:.3f}; {res['cache_bytes_per_token']:,} cache bytes per token; "
+          f"{res['elapsed_s']:.2f} s ({res['tokens_per_s']:.1f} tokens/s)")
+    if "kld_vs_exact" in res:
+        print(f"against the plain {args.cache} cache: KL {res['kld_vs_exact']:.3e} nats per token, top-1 agreement "
+              f"{res['top1_vs_exact']:.4f}, perplexity {res['delta_ppl']:+.3%} ({res['ppl_exact']:.3f} exact)")
     if args.json:
         print_json(res)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from minikv.cli.common import (
+    add_kv_dtype_flags,
     add_model_flag,
     add_prompt_flags,
     check_ids,
@@ -12,6 +13,7 @@ from minikv.cli.common import (
     print_json,
     progress,
     require_tokenizer,
+    resolve_cache,
 )
 from minikv.errors import InvalidInputError
 from minikv.generate import CACHE_KINDS
@@ -73,11 +75,13 @@ def prompt_ids_of(args, model, tok, chat: bool) -> list[int]:
     return encode_prompt(tok, args.prompt, chat)
 
 
-def cache_bytes_per_token(model, cache: str, block_size: int) -> int:
-    """``bytes_per_token()`` of the cache ``generate`` builds for ``model``: a 1-token cache of that kind."""
+def cache_bytes_per_token(model, cache: str, block_size: int, **quant) -> float:
+    """``bytes_per_token()`` of the cache ``generate`` builds for ``model``: a 1-token cache of that kind
+    (``quant``: kv_dtype, group, residual; a quantized one counts its full blocks)."""
     from minikv.generate import make_cache
 
-    return int(make_cache(cache, model, max_len=1, block_size=block_size).bytes_per_token())
+    bpt = make_cache(cache, model, max_len=1, block_size=block_size, **quant).bytes_per_token()
+    return int(bpt) if float(bpt).is_integer() else float(bpt)
 
 
 def add_generate(sub) -> None:
@@ -90,8 +94,10 @@ def add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous", help=cache_help())
+    p.add_argument("--cache", choices=list(CACHE_KINDS), default=None,
+                   help="(default: contiguous; paged with a quantized --kv-dtype) " + cache_help())
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
+    add_kv_dtype_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON line last with ids, text and timings")
     add_model_flag(p)
     p.set_defaults(func=_run_generate)
@@ -105,6 +111,8 @@ def _run_generate(args) -> int:
     if args.chat and args.prompt_ids is not None:  # refused before the model loads
         raise InvalidInputError("--chat wraps --prompt text in the chat template; with --prompt-ids give the "
                                 "ids of the whole templated prompt and drop --chat")
+    args.cache = resolve_cache(args)
+    quant = dict(kv_dtype=args.kv_dtype, group=args.group, residual=args.residual)
     model, tok = load_model_arg(args.model)
     prompt_ids = prompt_ids_of(args, model, tok, args.chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
@@ -113,8 +121,9 @@ def _run_generate(args) -> int:
             tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
         print(echo, end="", flush=True)
     res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
-                             block_size=args.block_size)
-    print(f"[{args.cache} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
+                             block_size=args.block_size, **quant)
+    label = args.cache if args.kv_dtype is None else f"{args.cache}, kv_dtype {args.kv_dtype}"
+    print(f"[{label} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
           f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
           file=sys.stderr)
     if args.json:
@@ -122,7 +131,8 @@ def _run_generate(args) -> int:
                     "text": None if tok is None else tok.decode(res.token_ids, skip_special_tokens=True),
                     "prefill_s": res.prefill_s, "decode_tokens_per_s": res.decode_tokens_per_s,
                     "cache": args.cache, "finish_reason": res.finish_reason,
-                    "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size)})
+                    "kv_dtype": args.kv_dtype or "fp32",
+                    "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size, **quant)})
     return 0
 
 
