@@ -70,3 +70,25 @@ def test_mla_decode_slowdown_in_interview_is_current():
     row = {r["ctx"]: r for r in _json("mla_decode.json")["results"]}[2048]
     number = f"{row['expanded_over_absorbed_time']:.1f}x slower"
     assert number in (ROOT / "docs/interview.md").read_text(), f"docs/interview.md should quote {number!r}"
+
+
+def quant_numbers(runs: tuple[str, ...]) -> list[str]:
+    """KLD, top-1 and delta ppl of the named kv_quant_quality runs, as the pages print them."""
+    d = _json("kv_quant_quality.json")["minikv"]
+    out = []
+    for name in runs:
+        r = d[name]
+        out += [f"{r['kld_vs_exact']:.2e}", f"{r['top1_vs_exact']:.4f}", f"{r['delta_ppl']:+.2%}"]
+    return out
+
+
+@pytest.mark.parametrize("page, runs", [
+    ("README.md", ("int8", "fp8", "int4", "k16v8")),
+    ("docs/05_quant.md", ("int8", "int4", "q4_1", "kivi4", "kivi2", "fp8", "fp8 prefill 64", "fp8_e5m2", "k16v8",
+                          "fp16", "bf16")),
+    ("docs/claims.md", ("int8", "fp8", "k16v8")),
+])
+def test_kv_quant_quality_numbers_are_current(page, runs):
+    text = (ROOT / page).read_text()
+    for number in quant_numbers(runs):
+        assert number in text, f"{page} should quote {number} from benchmarks/results/kv_quant_quality.json"
