@@ -3,6 +3,7 @@
 //   HEAD_DIM, KEY_TILE, DIMS_PER_LANE, VEC    compile-time sizes (HEAD_DIM set by the launcher)
 //   cache_t                                   the cache element type: float (CACHE_HALF=0) or __half
 //   load8 / store8, write_kv8, to_cache       8 elements <-> 8 floats with 16-byte vector accesses
+//   Raw8, load_raw, zero_raw, unpack          the same load, kept raw until used (keys in flight)
 //   warp_max / warp_sum                       butterfly reductions by shuffle, every lane gets the result
 //   block_reduce                              max or sum over a whole block (two barriers)
 //   row_offset                                64-bit element offsets (sizes pass 2^31 long before memory does)
@@ -106,6 +107,52 @@ __device__ float block_reduce(float v, float* scratch, bool is_max) {
     __syncthreads();  // scratch may be reused by the next call
     return r;
 }
+
+// --- deferred 8-element loads (decode v3, MLA): issue the 16-byte load(s) now, convert later ---
+// so that several keys' loads are in flight before the first multiply.
+#if CACHE_HALF
+struct Raw8 {
+    uint4 a;
+};
+__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
+    Raw8 r;
+    r.a = *reinterpret_cast<const uint4*>(p);
+    return r;
+}
+__device__ __forceinline__ Raw8 zero_raw() {
+    Raw8 r;
+    r.a = make_uint4(0u, 0u, 0u, 0u);  // eight +0.0 halves
+    return r;
+}
+__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&r.a);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+        const float2 t = __half22float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+#else
+struct Raw8 {
+    float4 a, b;
+};
+__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
+    Raw8 r;
+    r.a = *reinterpret_cast<const float4*>(p);
+    r.b = *reinterpret_cast<const float4*>(p + 4);
+    return r;
+}
+__device__ __forceinline__ Raw8 zero_raw() {
+    Raw8 r;
+    r.a = r.b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    return r;
+}
+__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
+    f[0] = r.a.x; f[1] = r.a.y; f[2] = r.a.z; f[3] = r.a.w;
+    f[4] = r.b.x; f[5] = r.b.y; f[6] = r.b.z; f[7] = r.b.w;
+}
+#endif
 
 // --- 64-bit offsets ---
 

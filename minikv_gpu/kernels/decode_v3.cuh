@@ -66,50 +66,7 @@ constexpr float LN2 = 0.6931471805599453f;
 static_assert(G >= 1 && G <= 8, "decode v3 keeps at most 8 query heads per KV head in registers");
 static_assert(32 % LANES == 0, "decode v3 needs HEAD_DIM a power of two: D/8 lanes per key must divide a warp");
 
-// 8 cache elements as loaded (one or two 16-byte vectors), converted to float only when used.
-#if CACHE_HALF
-struct Raw8 {
-    uint4 a;
-};
-__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
-    Raw8 r;
-    r.a = *reinterpret_cast<const uint4*>(p);
-    return r;
-}
-__device__ __forceinline__ Raw8 zero_raw() {
-    Raw8 r;
-    r.a = make_uint4(0u, 0u, 0u, 0u);  // eight +0.0 halves
-    return r;
-}
-__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&r.a);
-#pragma unroll
-    for (int i = 0; i < VEC / 2; ++i) {
-        const float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-#else
-struct Raw8 {
-    float4 a, b;
-};
-__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
-    Raw8 r;
-    r.a = *reinterpret_cast<const float4*>(p);
-    r.b = *reinterpret_cast<const float4*>(p + 4);
-    return r;
-}
-__device__ __forceinline__ Raw8 zero_raw() {
-    Raw8 r;
-    r.a = r.b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    return r;
-}
-__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
-    f[0] = r.a.x; f[1] = r.a.y; f[2] = r.a.z; f[3] = r.a.w;
-    f[4] = r.b.x; f[5] = r.b.y; f[6] = r.b.z; f[7] = r.b.w;
-}
-#endif
+// Raw8, load_raw, zero_raw, unpack: common.cuh (8 elements loaded now, converted when used).
 
 // One lane's online-softmax state for the G query heads (log2 units): m2, l and its 8 dims of acc.
 struct State {

@@ -67,49 +67,7 @@ static_assert(R % VEC == 0 && P % VEC == 0 && R > 0, "MLA_R and MLA_P must be mu
 static_assert(R % HEAD_DIM == 0, "HEAD_DIM (the reduce chunk) must divide MLA_R");
 static_assert(G >= 1 && G <= 4, "MLA_HEADS_PER_WARP: 1..4 query heads per warp (registers)");
 
-#if CACHE_HALF
-struct Raw8 {
-    uint4 a;
-};
-__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
-    Raw8 r;
-    r.a = *reinterpret_cast<const uint4*>(p);
-    return r;
-}
-__device__ __forceinline__ Raw8 zero_raw() {
-    Raw8 r;
-    r.a = make_uint4(0u, 0u, 0u, 0u);
-    return r;
-}
-__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&r.a);
-#pragma unroll
-    for (int i = 0; i < VEC / 2; ++i) {
-        const float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-#else
-struct Raw8 {
-    float4 a, b;
-};
-__device__ __forceinline__ Raw8 load_raw(const cache_t* p) {
-    Raw8 r;
-    r.a = *reinterpret_cast<const float4*>(p);
-    r.b = *reinterpret_cast<const float4*>(p + 4);
-    return r;
-}
-__device__ __forceinline__ Raw8 zero_raw() {
-    Raw8 r;
-    r.a = r.b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    return r;
-}
-__device__ __forceinline__ void unpack(const Raw8& r, float* f) {
-    f[0] = r.a.x; f[1] = r.a.y; f[2] = r.a.z; f[3] = r.a.w;
-    f[4] = r.b.x; f[5] = r.b.y; f[6] = r.b.z; f[7] = r.b.w;
-}
-#endif
+// Raw8, load_raw, zero_raw, unpack: common.cuh (8 elements loaded now, converted when used).
 
 __device__ __forceinline__ float exp2_shifted(float x, float shift) {
     return exp2f(x - (shift == -CUDART_INF_F ? 0.0f : shift));  // never -inf - -inf
