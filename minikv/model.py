@@ -212,13 +212,16 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     x:        [N, H] the residual stream of the N packed tokens
     lw:       the layer's weights, as ``Model`` prepares them
     cache:    receives the N tokens' rotated K and V (layer ``li``), then attends for their Q
-    cos, sin: [N, D/2] RoPE angles of the tokens' positions
+    cos, sin: [N, D/2] RoPE angles of the tokens' positions (None: the cache rotates, ``rotates_in_cache``)
     returns:  [N, H] = attention(RoPE(q), RoPE(k), v) @ Wo, over RMSNorm(x)
     """
     n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
     qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
-    qk = apply_rope(qkv[:, : hq + hkv], cos, sin, cfg.rope_layout)  # rotate Q and K in one go
+    if cos is None:  # the cache rotates by in-cache position (minikv.window): hand over pre-RoPE q, k
+        qk = qkv[:, : hq + hkv]
+    else:
+        qk = apply_rope(qkv[:, : hq + hkv], cos, sin, cfg.rope_layout)  # rotate Q and K in one go
     q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
     cache.write(li, k, v)
     attn = cache.attend(li, q)  # [N, Hq, D]
@@ -400,8 +403,10 @@ class Model:
         toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = np.concatenate(toks)
         with cache.step(seq_ids, [t.size for t in toks]) as positions:
-            self.check_positions(positions)
-            cos, sin = self.cos[positions], self.sin[positions]  # [N, D/2]
+            cos = sin = None  # a cache that rotates by in-cache position needs no absolute angles
+            if not getattr(cache, "rotates_in_cache", False):
+                self.check_positions(positions)
+                cos, sin = self.cos[positions], self.sin[positions]  # [N, D/2]
             x = self.embed[ids]  # [N, H]: the residual stream; each layer adds its two branches to it
             for li, lw in enumerate(self._layers):
                 x = x + self._attention(x, lw, c, cache, li, cos, sin)  # GQA or MLA: fixed per model
