@@ -1,6 +1,7 @@
 """Step 6 on the GPU: decode attention over an evicting cache's slots (mirrors ``minikv.window``).
 
-``window_decode`` runs ``kernels/window.cu``'s ``window_decode_v1`` for one decode step of a batch:
+``window_decode`` runs ``kernels/window.cu``'s ``window_decode_v3`` (register-resident, decode_v3.cuh's
+design) or ``window_decode_v1`` (tiles in shared memory; the one with the mass) for one decode step:
 each sequence's single query over its stored slots (any order, each slot's position stored, -1
 empty), with the window/sinks visibility of ``WindowPolicy`` (``window=0``: no window rule, causal
 on the stored positions, as the base ``Policy``, H2O and SnapKV see their slots). Options:
@@ -12,7 +13,7 @@ on the stored positions, as the base ``Policy``, H2O and SnapKV see their slots)
   head (``minikv.window.attend_slots``' ``mass``, what H2O accumulates), 0 where not visible.
 
 ``EvictingKVCache`` is ``minikv.window.EvictingKVCache`` with single-token decode steps attended by
-that kernel (the slots and the step's own new token, appended as one more slot). Prefill and
+those kernels (the slots and the step's own new token, appended as one more slot). Prefill and
 multi-token steps, and the policies' bookkeeping (placement, eviction, the log), stay the inherited
 NumPy path; the storage itself stays in host NumPy arrays, copied to the device per call.
 """
@@ -26,7 +27,7 @@ from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.layers import ROPE_LAYOUTS
 from minikv_gpu.runtime import STATIC_SMEM_LIMIT, default_runtime, device_f32, get_runtime, head_dim_defines
 
-__all__ = ["ROPE_MODES", "EvictingKVCache", "window_decode"]
+__all__ = ["ROPE_MODES", "EvictingKVCache", "pick_version", "window_decode"]
 
 ROPE_MODES = {None: 0, "half": 1, "interleaved": 2}  # layout -> rope_mode of window_decode_v1
 _INT32_MAX = np.iinfo(np.int32).max
@@ -103,19 +104,34 @@ def _tables(rt, rope, d: int, max_rank: int):
     return device_f32(rt, cos, "rope cos"), device_f32(rt, sin, "rope sin")
 
 
+def pick_version(version, group: int, head_dim: int, want_mass: bool) -> int:
+    """1 or 3: ``version`` checked (ConfigError), or None -> 3 where v3 serves the call, else 1."""
+    serves = not want_mass and 1 <= group <= 8 and head_dim & (head_dim - 1) == 0
+    if version is None:
+        return 3 if serves else 1
+    if version not in (1, 3) or isinstance(version, bool):
+        raise ConfigError(f"version={version!r}; window decode has versions 1 and 3 (or None to choose)")
+    if version == 3 and not serves:
+        raise ConfigError("window_decode_v3 needs want_mass=False, at most 8 query heads per KV head and "
+                          f"head_dim a power of two (got G={group}, head_dim={head_dim}); use version=1")
+    return version
+
+
 def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tuple | None = None,
-                  want_mass: bool = False, rt=None):
+                  want_mass: bool = False, rt=None, version: int | None = None):
     """One decode query per sequence over its slots (see the module docstring); device arrays back.
 
     q: [B, Hq, D] float32 (pre-RoPE with ``rope``); k, v: [B, Hkv, C, D] float32 or float16 (pre-RoPE
     keys with ``rope``); pos: [B, Hkv, C] integer (-1 empty); q_pos: [B] integer.
     Returns out [B, Hq, D] float32 (, mass [B, Hkv, C] float32 if ``want_mass``).
+    version: 1, 3 (register-resident, no mass) or None (3 where it serves the call).
     """
     rt = default_runtime() if rt is None else get_runtime(rt)
     b, hq, hkv, c, d = _check_shapes(q, k, v, pos, q_pos)
     defines = {**head_dim_defines(d), "CACHE_HALF": int(np.dtype(k.dtype) == np.float16)}
     group = hq // hkv
     mode = _check_policy(window, sinks, rope, group, d)
+    ver = pick_version(version, group, d, want_mass)
     qp = _positions(rt, q_pos, "q_pos")
     max_rank = min(int(rt.asnumpy(qp).max(initial=0)), window - 1)
     cos, sin = _tables(rt, rope, d, max_rank)
@@ -125,12 +141,17 @@ def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tu
     out = xp.zeros((b, hq, d), dtype=np.float32)
     mass = xp.zeros((b, hkv, c) if want_mass else (1,), dtype=np.float32)
     if b and c:
-        kern = rt.kernel("window", "window_decode_v1", defines=defines)
-        args = (device_f32(rt, q, "q"), kd, vd, _positions(rt, pos, "pos"), qp, cos, sin, out, mass,
-                np.int32(bool(want_mass)), np.int32(hq), np.int32(hkv), np.int32(c), np.int32(window),
-                np.int32(sinks), np.int32(mode), np.float32(1.0 / np.sqrt(d)))
-        kern((b, hkv), (32 * group,), args,
-             shared_mem=4 * group * d)
+        common = (_positions(rt, pos, "pos"), qp, cos, sin, out)
+        scalars = (np.int32(hq), np.int32(hkv), np.int32(c), np.int32(window), np.int32(sinks), np.int32(mode),
+                   np.float32(1.0 / np.sqrt(d)))
+        qd = device_f32(rt, q, "q")
+        if ver == 3:
+            kern = rt.kernel("window", "window_decode_v3", defines={**defines, "GQA_GROUP": group})
+            kern((b, hkv), (128,), (qd, kd, vd) + common + scalars)
+        else:
+            kern = rt.kernel("window", "window_decode_v1", defines=defines)
+            kern((b, hkv), (32 * group,), (qd, kd, vd) + common + (mass, np.int32(bool(want_mass))) + scalars,
+                 shared_mem=4 * group * d)
     return (out, mass) if want_mass else out
 
 

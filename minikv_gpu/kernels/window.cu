@@ -28,6 +28,7 @@
 // KV head) over every slot, K/V tiles staged in shared memory):
 //   window_decode_v1   attention (+ optional in-cache rotation, + optional mass) of one decode
 //                      query per sequence over its slots
+//   window_decode_v3   the same attention (no mass) in decode_v3.cuh's register-resident design
 //
 // Version log (llm.c style):
 //   window_decode_v1: attend_tiles.cuh's scheme with a per-slot visibility and rank: one block of
@@ -35,14 +36,25 @@
 //       loaded once for the group (invisible slots are never read: zero-filled), rotated in shared
 //       memory when rope_mode != 0, scored lane j = slot j, folded by online_softmax::update.
 //       The mass pass reloads K (and rotates again): 1.5x the bytes of the plain kernel.
+//   window_decode_v3: decode_v3.cuh's design (D/8 lanes per key, 16-byte loads straight into
+//       registers, the G queries in registers, no barrier in the key loop) with modular slot reads:
+//       each key's position is read (4 bytes, the same word for the LANES lanes of a subgroup) before
+//       its K/V; an invisible slot issues no K/V load (zero registers, score -inf). In-cache rotation
+//       in registers: "interleaved" pairs lie inside a lane's 8 dims; "half" pairs dims d and d + D/2,
+//       held by lanes l and l ^ LANES/2 of the same subgroup, exchanged by one shuffle per element.
+//       One block per (sequence, KV head), no split-K yet (a window's C is small: W slots); the mass
+//       variant stays v1's.
 //   Measured: no GPU has run it yet. ptxas (nvcc 13.0, sm_80/sm_90, D 64/128, fp32/fp16 slots):
-//       window_decode_v1 40-54 registers, 20736 (D=64) / 37120 (D=128) bytes static shared memory,
-//       0 spills, no stack frame; NVRTC compiles all 8 builds.
+//       window_decode_v1 40-54 registers, 20736 (D=64) / 37120 (D=128) bytes static shared memory;
+//       window_decode_v3 88-118 registers at G=1, 142-175 at G=4, 217-240 at G=8 (a first try held G=4
+//       to 128 registers, __launch_bounds__(128, 4), and spilled 56 bytes on sm_90: hence 2 blocks/SM
+//       from G=4); 0 spills, no stack frame anywhere; NVRTC compiles all 24 builds.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
 
 #include "common.cuh"
 #include "online_softmax.cuh"
+#include "decode_v3.cuh"  // decode_v3::State / merge / finish / exp2_shifted (window_decode_v3)
 
 namespace window {
 
@@ -190,4 +202,160 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
             mass[head * n_slots + k0 + threadIdx.x] = total;
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// window_decode_v3: window_decode_v1's attention (no mass), register-resident (decode_v3.cuh).
+//
+//   arguments as window_decode_v1 without mass/want_mass; GQA_GROUP = G at compile time
+//   grid  = (B, Hkv), block = (128): subgroups of D/8 lanes take keys sub, sub + SUBGROUPS, ...
+//   bytes: reads 4*C per (b, h) of positions, 2*C_vis*D*sizeof(CACHE_T) of K/V, 4*G*D of queries
+//          (+ 2*4*8 of tables per lane and rotated key); writes 4*G*D per (b, h)
+// ---------------------------------------------------------------------------
+namespace window {
+
+// Rotate a lane's 8 dims x (dims d0 .. d0+7) at table row r. Warp-collective when rope_mode == 1
+// (every lane calls it; the partner lane l ^ LANES/2 holds the other half of each pair).
+__device__ __forceinline__ void rotate8(float (&x)[VEC], int d0, int r, const float* cos_t, const float* sin_t,
+                                        int rope_mode) {
+    constexpr int HALF = HEAD_DIM / 2;
+    if (rope_mode == 2) {
+#pragma unroll
+        for (int i = 0; i < VEC / 2; ++i) {
+            const int p = d0 / 2 + i;
+            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
+            const float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c - b * s;
+            x[2 * i + 1] = b * c + a * s;
+        }
+    } else if (rope_mode == 1) {
+        const bool low = d0 < HALF;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[i], decode_v3::LANES / 2);
+            const int p = (low ? d0 : d0 - HALF) + i;
+            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
+            x[i] = low ? x[i] * c - other * s : x[i] * c + other * s;
+        }
+    }
+}
+
+// decode_v3::step with per-slot visibility and rotation: UNROLL keys key0 + u*SUBGROUPS of (b, h).
+__device__ __forceinline__ void step_v3(const cache_t* k, const cache_t* v, const int* pos_head, int key0,
+                                        int qp, const Args& a, int d0, const float* cos_t, const float* sin_t,
+                                        const float (&q)[decode_v3::G][VEC], decode_v3::State& s) {
+    using namespace decode_v3;
+    Raw8 kr[UNROLL], vr[UNROLL];
+    int rank[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the iteration is issued before the first use
+        const int key = key0 + u * SUBGROUPS;
+        const int kp = key < a.n_slots ? pos_head[key] : -1;
+        rank[u] = visible(kp, qp, a.window, a.sinks) ? rank_of(kp, qp, a.window, a.sinks) : -1;
+        if (rank[u] >= 0) {
+            const long long row = (long long)key * HEAD_DIM + d0;
+            kr[u] = load_raw(k + row);
+            vr[u] = load_raw(v + row);
+        } else {
+            kr[u] = zero_raw();
+            vr[u] = zero_raw();
+        }
+    }
+    float sc[UNROLL][G];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float kf[VEC];
+        unpack(kr[u], kf);
+        rotate8(kf, d0, max(rank[u], 0), cos_t, sin_t, a.rope_mode);  // zeros stay zeros
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dot += q[g][i] * kf[i];
+            sc[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
+        }
+    }
+    float p[UNROLL][G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = s.m[g];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (rank[u] < 0) sc[u][g] = -CUDART_INF_F;  // invisible or empty: probability 0
+            mx = fmaxf(mx, sc[u][g]);
+        }
+        const float alpha = exp2_shifted(s.m[g], mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            p[u][g] = exp2_shifted(sc[u][g], mx);
+            sum += p[u][g];
+        }
+        s.l[g] = s.l[g] * alpha + sum;
+        s.m[g] = mx;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float vf[VEC];
+        unpack(vr[u], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) s.acc[g][i] += p[u][g] * vf[i];
+        }
+    }
+}
+
+}  // namespace window
+
+// The per-key position, rank and rotation cost registers over decode_v3's: 4 blocks per SM (128
+// registers) for G < 4 only, 2 from G = 4 (G = 4 spilled at 128 on sm_90).
+#define WINDOW_V3_BOUNDS __launch_bounds__(128, GQA_GROUP >= 4 ? 2 : 4)
+
+extern "C" __global__ void WINDOW_V3_BOUNDS window_decode_v3(
+    const float* __restrict__ q, const cache_t* __restrict__ k, const cache_t* __restrict__ v,
+    const int* __restrict__ pos, const int* __restrict__ q_pos, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, float* __restrict__ out, int n_heads, int n_kv_heads, int n_slots,
+    int window_size, int sinks, int rope_mode, float scale) {
+    using namespace decode_v3;
+    const window::Args a{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale};
+    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = warp * SUB_PER_WARP + lane / LANES, d0 = (lane % LANES) * VEC, qp = q_pos[b];
+    const long long head = (long long)b * n_kv_heads + h;
+    const long long row0 = (long long)b * n_heads + (long long)h * G;
+    const float* q_group = q + row0 * HEAD_DIM;
+    float q_r[G][VEC];
+    const int q_rank = window::rank_of(qp, qp, window_size, sinks);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) q_r[g][i] = q_group[g * HEAD_DIM + d0 + i];
+        window::rotate8(q_r[g], d0, q_rank, cos_t, sin_t, rope_mode);  // the query at its own rank
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) q_r[g][i] *= scale * LOG2E;
+    }
+    State s;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        s.m[g] = -CUDART_INF_F;
+        s.l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] = 0.0f;
+    }
+    const cache_t* k_head = k + head * n_slots * HEAD_DIM;
+    const cache_t* v_head = v + head * n_slots * HEAD_DIM;
+    for (int base = 0; base < n_slots; base += KEYS_PER_ITER)  // warp-uniform trip count: no barrier inside
+        window::step_v3(k_head, v_head, pos + head * n_slots, base + sub, qp, a, d0, cos_t, sin_t, q_r, s);
+    Sink sink{out, nullptr, nullptr, nullptr, row0, 0, 1};
+    finish(s, sink);
 }

@@ -75,14 +75,15 @@ def _q(rng, b):
     return rng.standard_normal((b, HKV * G, D)).astype(np.float32) * 2
 
 
+@pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("w,s", [(7, 0), (7, 2), (37, 3)], ids=["W7S0", "W7S2", "W37S3"])
-def test_window_decode_matches_attend_slots(rt, w, s):
+def test_window_decode_matches_attend_slots(rt, w, s, version):
     """Original positions: unfilled, just wrapped and long-wrapped rings, with and without sinks."""
     rng = np.random.default_rng(w + s)
     q_pos = [2, w + 1, 3 * w + 5]
     k, v, pos = ring(rng, w, s, q_pos)
     q = _q(rng, len(q_pos))
-    got = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array(q_pos), w, s, rt=rt))
+    got = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array(q_pos), w, s, rt=rt, version=version))
     assert_close(got, reference(q, k, v, pos, q_pos, ref.WindowPolicy(w, s)), rtol=RTOL)
     if s:  # the check can fail: the same slots with other sinks give another answer
         assert rel_err(got, reference(q, k, v, pos, q_pos, ref.WindowPolicy(w, s - 1))) > 10 * RTOL
@@ -106,8 +107,9 @@ def test_window_zero_is_causal_over_stored_positions_and_mass_matches(rt):
     np.testing.assert_allclose(mass.sum(-1), G, rtol=1e-5)  # each query head's probabilities sum to 1
 
 
+@pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_in_cache_rotation_matches_attend_in_cache(rt, layout):
+def test_in_cache_rotation_matches_attend_in_cache(rt, layout, version):
     """Pre-RoPE keys rotated by rank in the kernel = attend_in_cache (rank_positions), both layouts;
     with the window's mass too. Original positions (rotated at the absolute positions) differ."""
     rng = np.random.default_rng(11)
@@ -117,10 +119,10 @@ def test_in_cache_rotation_matches_attend_in_cache(rt, layout):
     q = _q(rng, len(q_pos))
     rope = (*rope_tables(D, 64, 10000.0), layout)
     pol = ref.WindowPolicy(w, s, positions="in-cache")
-    out = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array(q_pos), w, s, rope=rope, rt=rt))
+    out = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array(q_pos), w, s, rope=rope, rt=rt, version=version))
     assert_close(out, in_cache_reference(q, k, v, pos, q_pos, pol, rope), rtol=RTOL)
     out2, mass = (rt.asnumpy(a) for a in gw.window_decode(q, k, v, pos, np.array(q_pos), w, s, rope=rope,
-                                                            want_mass=True, rt=rt))
+                                                            want_mass=True, rt=rt))  # v1: the mass kernel
     want_out, want_mass = in_cache_reference(q, k, v, pos, q_pos, pol, rope, mass=True)
     assert_close(out2, want_out, rtol=RTOL)
     assert_close(mass, want_mass, rtol=RTOL, what="mass")
@@ -145,11 +147,12 @@ def test_closed_form_rank_equals_rank_positions():
             assert got[vis].max() == vis[0].sum() - 1  # the query's own key has the largest rank
 
 
-def test_float16_slots(rt):
+@pytest.mark.parametrize("version", [1, 3])
+def test_float16_slots(rt, version):
     rng = np.random.default_rng(3)
     k, v, pos = ring(rng, 7, 1, [3, 12], dtype=np.float16)
     q = _q(rng, 2)
-    got = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array([3, 12]), 7, 1, rt=rt))
+    got = rt.asnumpy(gw.window_decode(q, k, v, pos, np.array([3, 12]), 7, 1, rt=rt, version=version))
     assert_close(got, reference(q, k.astype(np.float32), v.astype(np.float32), pos, [3, 12],
                                 ref.WindowPolicy(7, 1)), rtol=RTOL)
 
@@ -166,6 +169,8 @@ def test_typed_errors(rt):
         gw.window_decode(q, k, v, pos, qp, 7, 7, rt=rt)  # sinks must be < window
     with pytest.raises(ConfigError):
         gw.window_decode(q, k, v, pos, qp, 0, 0, rope=(*rope_tables(D, 16, 1e4), "half"), rt=rt)
+    with pytest.raises(ConfigError):
+        gw.window_decode(q, k, v, pos, qp, 7, 1, want_mass=True, rt=rt, version=3)  # v3 has no mass
 
 
 def _generate(cache, steps: int, rng, prompt: int = 3):
