@@ -1,0 +1,361 @@
+// window.cu: step 6, decode attention over an evicting cache's slots (minikv/window.py) on the GPU.
+//
+// Storage (one layer of minikv.window.EvictingKVCache, batched over sequences):
+//     k, v   [B, Hkv, C, D] CACHE_T   slots in storage order (a wrapped ring is not time order)
+//     pos    [B, Hkv, C] int32        each slot's absolute token position, -1 = empty
+// One query token per sequence (decode) at position q_pos[b]; q: [B, Hq, D] float32, query head
+// h*G + g reads KV head h. Slot j (position k) is visible to the query at q iff
+//     k >= 0 && k <= q && (W == 0 || k < S || q - k < W - S)
+// (WindowPolicy.visible; W = 0: no window rule, causal on the stored positions: the base Policy,
+// H2O and SnapKV). The softmax does not care about the order of its keys, so slots are read in
+// storage order and each key's visibility comes from its stored position.
+//
+// In-cache positions (rope_mode 1 = "half", 2 = "interleaved"; 0 = keys already rotated): the
+// slots hold pre-RoPE keys and the kernel rotates each visible key by its rank among the visible
+// keys, the query by its own rank. For the window policy the rank has a closed form,
+//     rank(k) = k                                  if k < S
+//             = S + k - max(S, q - (W - S) + 1)    otherwise
+// (the visible keys are 0 .. min(S, q+1)-1 and max(S, q-(W-S)+1) .. q, all present in a ring
+// that lost nothing else), which equals minikv.window.rank_positions there; W = 0 rotates at the
+// absolute position (rank(k) = k). cos/sin: [P, D/2] float32 tables, row = the rank. Keys are
+// re-rotated from the stored pre-RoPE key every call (never compounded).
+//
+// Mass (want_mass != 0): also mass[b, h, j] = sum over the G query heads of exp(s_j - m) / l
+// with the final running max m and sum l (0 for invisible or empty slots): attend_slots' mass,
+// which H2O accumulates. A second pass over the keys recomputes the scores (v1: simple first).
+//
+// Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per (sequence,
+// KV head) over every slot, K/V tiles staged in shared memory):
+//   window_decode_v1   attention (+ optional in-cache rotation, + optional mass) of one decode
+//                      query per sequence over its slots
+//   window_decode_v3   the same attention (no mass) in decode_v3.cuh's register-resident design
+//
+// Version log (llm.c style):
+//   window_decode_v1: attend_tiles.cuh's scheme with a per-slot visibility and rank: one block of
+//       G warps (one per query head) per (sequence, KV head); each tile of KEY_TILE = 32 slots is
+//       loaded once for the group (invisible slots are never read: zero-filled), rotated in shared
+//       memory when rope_mode != 0, scored lane j = slot j, folded by online_softmax::update.
+//       The mass pass reloads K (and rotates again): 1.5x the bytes of the plain kernel.
+//   window_decode_v3: decode_v3.cuh's design (D/8 lanes per key, 16-byte loads straight into
+//       registers, the G queries in registers, no barrier in the key loop) with modular slot reads:
+//       each key's position is read (4 bytes, the same word for the LANES lanes of a subgroup) before
+//       its K/V; an invisible slot issues no K/V load (zero registers, score -inf). In-cache rotation
+//       in registers: "interleaved" pairs lie inside a lane's 8 dims; "half" pairs dims d and d + D/2,
+//       held by lanes l and l ^ LANES/2 of the same subgroup, exchanged by one shuffle per element.
+//       One block per (sequence, KV head), no split-K yet (a window's C is small: W slots); the mass
+//       variant stays v1's.
+//   Measured: no GPU has run it yet. ptxas (nvcc 13.0, sm_80/sm_90, D 64/128, fp32/fp16 slots):
+//       window_decode_v1 40-54 registers, 20736 (D=64) / 37120 (D=128) bytes static shared memory;
+//       window_decode_v3 88-118 registers at G=1, 142-175 at G=4, 217-240 at G=8 (a first try held G=4
+//       to 128 registers, __launch_bounds__(128, 4), and spilled 56 bytes on sm_90: hence 2 blocks/SM
+//       from G=4); 0 spills, no stack frame anywhere; NVRTC compiles all 24 builds.
+//
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
+
+#include "common.cuh"
+#include "online_softmax.cuh"
+#include "decode_v3.cuh"  // decode_v3::State / merge / finish / exp2_shifted (window_decode_v3)
+
+namespace window {
+
+// The scalars every block needs.
+struct Args {
+    int n_heads, n_kv_heads, n_slots, window, sinks, rope_mode;
+    float scale;
+};
+
+// Is the key at position k visible to the query at q (WindowPolicy.visible; W = 0: causal only)?
+__device__ __forceinline__ bool visible(int k, int q, int w, int s) {
+    return k >= 0 && k <= q && (w == 0 || k < s || q - k < w - s);
+}
+
+// The in-cache rank of a visible key at position k for the query at q (closed form, see the header).
+__device__ __forceinline__ int rank_of(int k, int q, int w, int s) {
+    if (w == 0 || k < s) return k;
+    return s + k - max(s, q - (w - s) + 1);
+}
+
+// Rotate the HEAD_DIM floats of x (stride 1) at table row r, pair p of this thread only:
+// (a, b) -> (a c - b s, b c + a s); "half" pairs (p, p + D/2), "interleaved" (2p, 2p + 1).
+__device__ __forceinline__ void rotate_pair(float* x, int p, const float* cos_t, const float* sin_t, long long r,
+                                            int rope_mode) {
+    const int ia = rope_mode == 1 ? p : 2 * p, ib = rope_mode == 1 ? p + HEAD_DIM / 2 : 2 * p + 1;
+    const float c = cos_t[r * (HEAD_DIM / 2) + p], s = sin_t[r * (HEAD_DIM / 2) + p];
+    const float a = x[ia], b = x[ib];
+    x[ia] = a * c - b * s;
+    x[ib] = b * c + a * s;
+}
+
+// The tile's slot facts, written by threads < KEY_TILE: rank_s[j] = the key's rank, -1 = invisible.
+__device__ __forceinline__ void tile_ranks(const int* pos_head, int k0, int q, const Args& a, int* rank_s) {
+    const int j = threadIdx.x;
+    if (j < KEY_TILE) {
+        const int k = k0 + j < a.n_slots ? pos_head[k0 + j] : -1;
+        rank_s[j] = visible(k, q, a.window, a.sinks) ? rank_of(k, q, a.window, a.sinks) : -1;
+    }
+}
+
+// Load (and rotate) tile k0's visible keys (and values, if v_s) into shared memory; zeros elsewhere.
+// All threads call it; it ends with a barrier, so the tile is ready to read.
+__device__ __forceinline__ void load_tile(const cache_t* k, const cache_t* v, int k0, const int* rank_s,
+                                          const Args& a, const float* cos_t, const float* sin_t,
+                                          float (*k_s)[HEAD_DIM + 1], float (*v_s)[HEAD_DIM]) {
+    for (int i = threadIdx.x; i < KEY_TILE * (HEAD_DIM / VEC); i += blockDim.x) {
+        const int j = i / (HEAD_DIM / VEC), d = (i % (HEAD_DIM / VEC)) * VEC;
+        float kf[VEC], vf[VEC];
+        const bool vis = rank_s[j] >= 0;
+        if (vis) {
+            const long long row = (long long)(k0 + j) * HEAD_DIM + d;
+            load8(k + row, kf);
+            if (v_s) load8(v + row, vf);
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            k_s[j][d + e] = vis ? kf[e] : 0.0f;
+            if (v_s) v_s[j][d + e] = vis ? vf[e] : 0.0f;
+        }
+    }
+    __syncthreads();
+    if (a.rope_mode == 0) return;
+    for (int i = threadIdx.x; i < KEY_TILE * (HEAD_DIM / 2); i += blockDim.x) {
+        const int j = i / (HEAD_DIM / 2), p = i % (HEAD_DIM / 2);
+        if (rank_s[j] >= 0) rotate_pair(k_s[j], p, cos_t, sin_t, rank_s[j], a.rope_mode);
+    }
+    __syncthreads();
+}
+
+// This lane's scaled score against tile slot `lane` (-inf where invisible); q_row in shared memory.
+__device__ __forceinline__ float score_of(const float* q_row, const float (*k_s)[HEAD_DIM + 1], const int* rank_s,
+                                          float scale) {
+    const int lane = threadIdx.x & 31;
+    if (rank_s[lane] < 0) return -CUDART_INF_F;
+    float dot = 0.0f;
+#pragma unroll 8
+    for (int d = 0; d < HEAD_DIM; ++d) dot += q_row[d] * k_s[lane][d];
+    return dot * scale;
+}
+
+}  // namespace window
+
+// ---------------------------------------------------------------------------
+// window_decode_v1: out[b, h*G + g] = softmax over the visible slots of (b, h), one decode query each.
+//
+//   q:      [B, Hq, D] float32 (pre-RoPE when rope_mode != 0)      out: [B, Hq, D] float32
+//   k, v:   [B, Hkv, C, D] CACHE_T slots                           pos: [B, Hkv, C] int32 (-1 empty)
+//   q_pos:  [B] int32        cos_t, sin_t: [P, D/2] float32 (read iff rope_mode != 0; P > max rank)
+//   mass:   [B, Hkv, C] float32, written iff want_mass (see the header)
+//   grid  = (B, Hkv), block = (32*G): warp g owns query head h*G + g; dynamic shared G*D floats
+//   bytes: reads 4*C per (b, h) of positions and 2*C_vis*D*sizeof(CACHE_T) of K/V (the visible
+//          slots only; + C_vis*D*sizeof(CACHE_T) again with mass), 4*G*D of queries (+ 2*4*D/2 per
+//          rotated key of tables); writes 4*Hq*D per sequence (+ 4*C*Hkv of mass)
+// ---------------------------------------------------------------------------
+extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const cache_t* __restrict__ k,
+                                            const cache_t* __restrict__ v, const int* __restrict__ pos,
+                                            const int* __restrict__ q_pos, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, float* __restrict__ out,
+                                            float* __restrict__ mass, int want_mass, int n_heads, int n_kv_heads,
+                                            int n_slots,
+                                            int window_size, int sinks, int rope_mode, float scale) {
+    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
+    __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];
+    __shared__ int rank_s[KEY_TILE];
+    __shared__ float p_s[32][KEY_TILE];                      // mass pass: one row per warp
+    extern __shared__ float q_s[];                           // [G][D]
+    const window::Args a{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale};
+    const int b = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = n_heads / n_kv_heads, qp = q_pos[b];
+    const long long head = (long long)b * n_kv_heads + h;  // (b, h) in [B, Hkv]
+    const cache_t* k_head = k + head * n_slots * HEAD_DIM;
+    const cache_t* v_head = v + head * n_slots * HEAD_DIM;
+    const int* pos_head = pos + head * n_slots;
+    const float* q_group = q + row_offset(b, n_heads, (long long)h * group);
+    for (int i = threadIdx.x; i < group * HEAD_DIM; i += blockDim.x) q_s[i] = q_group[i];
+    if (rope_mode != 0) {  // the query sits at its own rank
+        __syncthreads();
+        const int r = window::rank_of(qp, qp, window_size, sinks);
+        for (int i = threadIdx.x; i < group * (HEAD_DIM / 2); i += blockDim.x)
+            window::rotate_pair(q_s + (i / (HEAD_DIM / 2)) * HEAD_DIM, i % (HEAD_DIM / 2), cos_t, sin_t, r, rope_mode);
+    }
+    const float* q_row = q_s + warp * HEAD_DIM;
+    online_softmax::State s = online_softmax::start();
+    for (int k0 = 0; k0 < n_slots; k0 += KEY_TILE) {
+        __syncthreads();  // everyone is done with the previous tile (and the queries are written)
+        window::tile_ranks(pos_head, k0, qp, a, rank_s);
+        __syncthreads();
+        window::load_tile(k_head, v_head, k0, rank_s, a, cos_t, sin_t, k_s, v_s);
+        online_softmax::update(s, window::score_of(q_row, k_s, rank_s, scale), v_s);
+    }
+    online_softmax::finish(s, out + row_offset(b, n_heads, (long long)h * group + warp));
+    if (!want_mass) return;  // block-uniform
+    const float inv_l = s.l > 0.0f ? 1.0f / s.l : 0.0f;
+    for (int k0 = 0; k0 < n_slots; k0 += KEY_TILE) {
+        __syncthreads();
+        window::tile_ranks(pos_head, k0, qp, a, rank_s);
+        __syncthreads();
+        window::load_tile(k_head, v_head, k0, rank_s, a, cos_t, sin_t, k_s, nullptr);
+        const float sc = window::score_of(q_row, k_s, rank_s, scale);
+        p_s[warp][lane] = sc == -CUDART_INF_F ? 0.0f : expf(sc - s.m) * inv_l;
+        __syncthreads();
+        if (threadIdx.x < KEY_TILE && k0 + threadIdx.x < n_slots) {
+            float total = 0.0f;
+            for (int g = 0; g < group; ++g) total += p_s[g][threadIdx.x];
+            mass[head * n_slots + k0 + threadIdx.x] = total;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// window_decode_v3: window_decode_v1's attention (no mass), register-resident (decode_v3.cuh).
+//
+//   arguments as window_decode_v1 without mass/want_mass; GQA_GROUP = G at compile time
+//   grid  = (B, Hkv), block = (128): subgroups of D/8 lanes take keys sub, sub + SUBGROUPS, ...
+//   bytes: reads 4*C per (b, h) of positions, 2*C_vis*D*sizeof(CACHE_T) of K/V, 4*G*D of queries
+//          (+ 2*4*8 of tables per lane and rotated key); writes 4*G*D per (b, h)
+// ---------------------------------------------------------------------------
+namespace window {
+
+// Rotate a lane's 8 dims x (dims d0 .. d0+7) at table row r. Warp-collective when rope_mode == 1
+// (every lane calls it; the partner lane l ^ LANES/2 holds the other half of each pair).
+__device__ __forceinline__ void rotate8(float (&x)[VEC], int d0, int r, const float* cos_t, const float* sin_t,
+                                        int rope_mode) {
+    constexpr int HALF = HEAD_DIM / 2;
+    if (rope_mode == 2) {
+#pragma unroll
+        for (int i = 0; i < VEC / 2; ++i) {
+            const int p = d0 / 2 + i;
+            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
+            const float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c - b * s;
+            x[2 * i + 1] = b * c + a * s;
+        }
+    } else if (rope_mode == 1) {
+        const bool low = d0 < HALF;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[i], decode_v3::LANES / 2);
+            const int p = (low ? d0 : d0 - HALF) + i;
+            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
+            x[i] = low ? x[i] * c - other * s : x[i] * c + other * s;
+        }
+    }
+}
+
+// decode_v3::step with per-slot visibility and rotation: UNROLL keys key0 + u*SUBGROUPS of (b, h).
+__device__ __forceinline__ void step_v3(const cache_t* k, const cache_t* v, const int* pos_head, int key0,
+                                        int qp, const Args& a, int d0, const float* cos_t, const float* sin_t,
+                                        const float (&q)[decode_v3::G][VEC], decode_v3::State& s) {
+    using namespace decode_v3;
+    Raw8 kr[UNROLL], vr[UNROLL];
+    int rank[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the iteration is issued before the first use
+        const int key = key0 + u * SUBGROUPS;
+        const int kp = key < a.n_slots ? pos_head[key] : -1;
+        rank[u] = visible(kp, qp, a.window, a.sinks) ? rank_of(kp, qp, a.window, a.sinks) : -1;
+        if (rank[u] >= 0) {
+            const long long row = (long long)key * HEAD_DIM + d0;
+            kr[u] = load_raw(k + row);
+            vr[u] = load_raw(v + row);
+        } else {
+            kr[u] = zero_raw();
+            vr[u] = zero_raw();
+        }
+    }
+    float sc[UNROLL][G];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float kf[VEC];
+        unpack(kr[u], kf);
+        rotate8(kf, d0, max(rank[u], 0), cos_t, sin_t, a.rope_mode);  // zeros stay zeros
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dot += q[g][i] * kf[i];
+            sc[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
+        }
+    }
+    float p[UNROLL][G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = s.m[g];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (rank[u] < 0) sc[u][g] = -CUDART_INF_F;  // invisible or empty: probability 0
+            mx = fmaxf(mx, sc[u][g]);
+        }
+        const float alpha = exp2_shifted(s.m[g], mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            p[u][g] = exp2_shifted(sc[u][g], mx);
+            sum += p[u][g];
+        }
+        s.l[g] = s.l[g] * alpha + sum;
+        s.m[g] = mx;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float vf[VEC];
+        unpack(vr[u], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) s.acc[g][i] += p[u][g] * vf[i];
+        }
+    }
+}
+
+}  // namespace window
+
+// The per-key position, rank and rotation cost registers over decode_v3's: 4 blocks per SM (128
+// registers) for G < 4 only, 2 from G = 4 (G = 4 spilled at 128 on sm_90).
+#define WINDOW_V3_BOUNDS __launch_bounds__(128, GQA_GROUP >= 4 ? 2 : 4)
+
+extern "C" __global__ void WINDOW_V3_BOUNDS window_decode_v3(
+    const float* __restrict__ q, const cache_t* __restrict__ k, const cache_t* __restrict__ v,
+    const int* __restrict__ pos, const int* __restrict__ q_pos, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, float* __restrict__ out, int n_heads, int n_kv_heads, int n_slots,
+    int window_size, int sinks, int rope_mode, float scale) {
+    using namespace decode_v3;
+    const window::Args a{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale};
+    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = warp * SUB_PER_WARP + lane / LANES, d0 = (lane % LANES) * VEC, qp = q_pos[b];
+    const long long head = (long long)b * n_kv_heads + h;
+    const long long row0 = (long long)b * n_heads + (long long)h * G;
+    const float* q_group = q + row0 * HEAD_DIM;
+    float q_r[G][VEC];
+    const int q_rank = window::rank_of(qp, qp, window_size, sinks);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) q_r[g][i] = q_group[g * HEAD_DIM + d0 + i];
+        window::rotate8(q_r[g], d0, q_rank, cos_t, sin_t, rope_mode);  // the query at its own rank
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) q_r[g][i] *= scale * LOG2E;
+    }
+    State s;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        s.m[g] = -CUDART_INF_F;
+        s.l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s.acc[g][i] = 0.0f;
+    }
+    const cache_t* k_head = k + head * n_slots * HEAD_DIM;
+    const cache_t* v_head = v + head * n_slots * HEAD_DIM;
+    for (int base = 0; base < n_slots; base += KEYS_PER_ITER)  // warp-uniform trip count: no barrier inside
+        window::step_v3(k_head, v_head, pos + head * n_slots, base + sub, qp, a, d0, cos_t, sin_t, q_r, s);
+    Sink sink{out, nullptr, nullptr, nullptr, row0, 0, 1};
+    finish(s, sink);
+}
