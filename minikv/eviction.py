@@ -37,7 +37,7 @@ import numpy as np
 
 from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_choice, check_int
 from minikv.kv_cache import KVCacheBase
-from minikv.window import POSITIONS, Policy, attend_in_cache
+from minikv.window import POSITIONS, Policy, WindowPolicy, attend_in_cache
 
 H2O_SCORES = ("raw", "normalized")
 POOLINGS = ("avg", "max")
@@ -127,6 +127,26 @@ class SnapKVPolicy(Policy):
     def describe(self):
         return {**super().describe(), "budget": self.budget, "obs_window": self.obs_window,
                 "kernel": self.kernel, "pooling": self.pooling}
+
+
+POLICIES = {"window": WindowPolicy, "h2o": H2OPolicy, "snapkv": SnapKVPolicy}
+# each policy's options; a flag given to the wrong kind is refused rather than ignored
+POLICY_OPTIONS = {"window": ("window", "sinks", "positions"), "h2o": ("budget", "recent", "score"),
+                  "snapkv": ("budget", "obs_window", "kernel", "pooling")}
+REQUIRED = {"window": "window", "h2o": "budget", "snapkv": "budget"}
+
+
+def make_policy(kind: str, **options) -> Policy:
+    """The policy of cache kind ``kind`` ("window", "h2o", "snapkv") from its options (None = default)."""
+    check_choice("eviction kind", kind, tuple(POLICIES), error=InvalidInputError)
+    options = {k: v for k, v in options.items() if v is not None}
+    wrong = sorted(set(options) - set(POLICY_OPTIONS[kind]))
+    if wrong:
+        raise ConfigError(f"option(s) {wrong} do not apply to cache {kind!r}; it takes {list(POLICY_OPTIONS[kind])}")
+    if REQUIRED[kind] not in options:
+        raise ConfigError(f"cache {kind!r} needs {REQUIRED[kind]}=N (the keys it keeps per layer and KV head), "
+                          f"e.g. --{REQUIRED[kind]} 128")
+    return POLICIES[kind](**options)
 
 
 # --- the exact reference --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, InvalidInputError, check_int
+from minikv.errors import ConfigError, InvalidInputError, check_choice, check_int
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
@@ -109,6 +109,31 @@ def bytes_per_token(args: dict, dtype) -> int:
     return 2 * args["num_layers"] * args["num_kv_heads"] * args["head_dim"] * np.dtype(dtype).itemsize
 
 
+def _build_evicting(kind: str):
+    """The builder of an eviction kind (step 6): its policy over contiguous slots or paged blocks."""
+    def build(args: dict, max_len: int, max_seqs: int, block_size: int, dtype, rope=None, layout="contiguous",
+              **options) -> KVCacheBase:
+        from minikv.eviction import make_policy
+        from minikv.window import EvictingKVCache
+
+        if "mla" in args:
+            raise ConfigError(f"cache {kind!r}: window and eviction (step 6) cover K/V caches, not the MLA latent; "
+                              "use none, contiguous or paged with an MLA model")
+        policy = make_policy(kind, **options)
+        if layout == "paged":
+            from minikv.paged_window import PagedEvictingKVCache
+
+            return PagedEvictingKVCache(**args, num_blocks=_paged_blocks(max_len, max_seqs, block_size),
+                                        block_size=_paged_block_size(block_size), policy=policy, dtype=dtype,
+                                        rope=rope, enable_prefix_caching=False)
+        check_choice("layout", layout, EVICTION_LAYOUTS)
+        return EvictingKVCache(**args, policy=policy, max_seqs=max_seqs, dtype=dtype, rope=rope)
+    return build
+
+
+EVICTION_LAYOUTS = ("contiguous", "paged")
+EVICTION_KINDS = ("window", "h2o", "snapkv")
+
 CACHE_KINDS: dict[str, CacheKind] = {
     "none": CacheKind(
         slots=lambda max_len, max_seqs, block_size: 0,
@@ -122,6 +147,15 @@ CACHE_KINDS: dict[str, CacheKind] = {
         slots=lambda max_len, max_seqs, block_size: _paged_blocks(max_len, max_seqs, block_size) * block_size,
         build=_build_paged, recompute=False,
         description="fixed-size blocks from a shared pool, mapped by a block table (step 3)"),
+    "window": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("window"),
+                        recompute=False, description="a ring of the --window latest tokens, plus --sinks first "
+                                                     "tokens kept for good (step 6, StreamingLLM)"),
+    "h2o": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("h2o"), recompute=False,
+                     description="--budget keys per layer and head: the --recent latest plus the heaviest by "
+                                 "accumulated attention (step 6, H2O)"),
+    "snapkv": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("snapkv"),
+                        recompute=False, description="the prompt compressed to --budget keys per layer and head "
+                                                     "by its last --obs-window queries (step 6, SnapKV)"),
 }
 
 
@@ -149,7 +183,8 @@ def available_memory_bytes() -> int | None:
 
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
-               dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128) -> KVCacheBase:
+               dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128,
+               eviction: dict | None = None) -> KVCacheBase:
     """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
 
     An MLA model gets the latent cache of that kind (``minikv.mla``). ``kv_dtype`` (a key of
@@ -157,6 +192,9 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     ``group`` is the values per scale of kivi*/fp8*; for kivi* the block holds ``residual`` tokens
     (KIVI's R; ``block_size`` is replaced by it). Refuses (ConfigError) a cache whose K and V
     would not fit in the memory available now, before allocating anything.
+    ``eviction``: the options of a step-6 kind (window/h2o/snapkv): ``minikv.eviction.make_policy``'s
+    (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling) and ``layout``
+    ("contiguous" slots, the default, or "paged" blocks); other kinds refuse it.
     """
     spec = cache_kind(kind)
     max_len = check_int("max_len", max_len, error=InvalidInputError)
@@ -177,6 +215,12 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     if have is not None and need > have:
         raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "
                           f"only {have:,} are available; lower max_len (max_new_tokens) or max_seqs")
+    if kind in EVICTION_KINDS:  # (a quantized kv_dtype was refused above: it needs kind "paged")
+        rope = (model.cos, model.sin, model.config.rope_layout)
+        return spec.build(args, max_len, max_seqs, block_size, dtype, rope=rope, **(eviction or {}))
+    if eviction:
+        raise ConfigError(f"eviction options {sorted(eviction)} need an eviction cache kind {EVICTION_KINDS}; "
+                          f"cache {kind!r} keeps every token")
     return spec.build(args, max_len, max_seqs, block_size, dtype, **quant)
 
 
@@ -220,10 +264,11 @@ class GenerationResult:
 def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
            sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
            result: GenerationResult | None = None, kv_dtype: str | None = None, group: int = 32,
-           residual: int = 128) -> Iterator[int]:
+           residual: int = 128, eviction: dict | None = None) -> Iterator[int]:
     """Yield new token ids one by one as they are generated; stops at EOS or ``max_new_tokens``.
 
-    ``kv_dtype``/``group``/``residual``: the quantized K/V of ``make_cache`` (paged cache only).
+    ``kv_dtype``/``group``/``residual``: the quantized K/V of ``make_cache`` (paged cache only);
+    ``eviction``: the options of a window/h2o/snapkv cache (``make_cache``).
 
     ``result`` (optional) is filled in as generation proceeds: timings and
     tokens, for the caller to read when the iterator is exhausted.
@@ -236,10 +281,11 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     result.prompt_ids, result.cache = prompt.tolist(), cache
     if max_new_tokens == 0:
         return
-    check_context(model.config.max_position, prompt.size, max_new_tokens)
-    rng = sampling.new_rng()
     kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
-                    group=group, residual=residual)
+                    group=group, residual=residual, eviction=eviction)
+    if not getattr(kv, "rotates_in_cache", False):  # in-cache positions never pass the window: no limit
+        check_context(model.config.max_position, prompt.size, max_new_tokens)
+    rng = sampling.new_rng()
     kv.add_sequence(0)
     ids = prompt.tolist()
 
@@ -268,11 +314,11 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
              sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
              on_token: Callable[[int], None] | None = None, kv_dtype: str | None = None, group: int = 32,
-             residual: int = 128) -> GenerationResult:
+             residual: int = 128, eviction: dict | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; see ``stream``."""
     result = GenerationResult(prompt_ids=[])  # stream() fills it in
     for tok in stream(model, prompt_ids, max_new_tokens, cache, sampling, eos_token_id, block_size, result,
-                      kv_dtype=kv_dtype, group=group, residual=residual):
+                      kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction):
         if on_token is not None:
             on_token(tok)
     return result

@@ -172,15 +172,20 @@ class VersusExact:
     distribution (natural log); a row's sum is clamped at 0, the bound it can only miss by rounding.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, curve: bool = False) -> None:
         self.exact, self.lossy = NextTokenNLL(), NextTokenNLL()
         self.kl_sum, self.kl_max, self.agree = 0.0, 0.0, 0
+        self.curve = {"exact": [], "lossy": []} if curve else None  # per-position NLL, when asked
 
     def update(self, exact: np.ndarray, lossy: np.ndarray, targets: np.ndarray) -> None:
         kl = np.maximum((np.exp(exact) * (exact - lossy)).sum(axis=-1), 0.0)
         self.kl_sum += float(kl.sum())
         self.kl_max = max(self.kl_max, float(kl.max()))
         self.agree += int((exact.argmax(axis=-1) == lossy.argmax(axis=-1)).sum())
+        if self.curve is not None:
+            rows = np.arange(targets.size)
+            self.curve["exact"].extend((-exact[rows, targets]).tolist())
+            self.curve["lossy"].extend((-lossy[rows, targets]).tolist())
         self.exact.update(exact, targets)
         self.lossy.update(lossy, targets)
 
@@ -188,12 +193,14 @@ class VersusExact:
         n, ex = self.lossy.count, self.exact.result()
         return {**self.lossy.result(), "ppl_exact": ex["ppl"], "mean_nll_exact": ex["mean_nll"],
                 "kld_vs_exact": self.kl_sum / n, "kld_max_vs_exact": self.kl_max,
-                "top1_vs_exact": self.agree / n, "delta_ppl": math.exp(self.lossy.total / n - ex["mean_nll"]) - 1.0}
+                "top1_vs_exact": self.agree / n, "delta_ppl": math.exp(self.lossy.total / n - ex["mean_nll"]) - 1.0,
+                **({"nll_curve": self.curve} if self.curve is not None else {})}
 
 
 def perplexity_vs_exact(model: Model, ids: Sequence[int], cache_factory: Callable[[Model, int], KVCacheBase],
                         prefill: int = 1, exact_cache: str = "contiguous", block_size: int = 16,
-                        label: str = "lossy", progress: Callable[[int], None] | None = None) -> dict:
+                        label: str = "lossy", progress: Callable[[int], None] | None = None,
+                        curve: bool = False) -> dict:
     """Teacher-forced run through ``cache_factory``'s cache and the exact ``exact_cache``, in lockstep.
 
     Both runs see the same ids and the same prefill; the two ``teacher_forced_logits``
@@ -201,7 +208,8 @@ def perplexity_vs_exact(model: Model, ids: Sequence[int], cache_factory: Callabl
     returns: ``perplexity``'s keys for the lossy run ("cache" is ``label``) plus "ppl_exact",
              "mean_nll_exact", "kld_vs_exact" (mean KL(exact || lossy) of the next-token
              distributions, nats), "kld_max_vs_exact", "top1_vs_exact" (fraction of positions whose
-             argmax agrees) and "delta_ppl" (ppl_lossy / ppl_exact - 1)
+             argmax agrees) and "delta_ppl" (ppl_lossy / ppl_exact - 1); with ``curve`` also
+             "nll_curve": {"exact": [T - 1], "lossy": [T - 1]} per-position NLLs (position t predicts ids[t + 1])
     """
     arr = check_eval_ids(model, ids, prefill)
     max_len = arr.size - 1
@@ -210,7 +218,7 @@ def perplexity_vs_exact(model: Model, ids: Sequence[int], cache_factory: Callabl
     recompute = cache_kind(exact_cache).recompute
     for kv in (exact, lossy):
         kv.add_sequence(0)
-    versus = VersusExact()
+    versus = VersusExact(curve)
     t0 = time.perf_counter()
     pairs = zip(teacher_forced_logits(model, arr, exact, prefill, recompute),
                 teacher_forced_logits(model, arr, lossy, prefill))

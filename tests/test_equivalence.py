@@ -18,6 +18,10 @@ SHAPES = {"gqa-half": dict(num_heads=6, num_kv_heads=2, rope_layout="half"),
                                   rope_layout="interleaved")}
 
 
+# step 6's kinds evict; with a window/budget longer than the text they must keep everything (exact)
+KEEP_ALL = {"window": {"window": 64, "sinks": 2}, "h2o": {"budget": 64, "recent": 8}, "snapkv": {"budget": 64}}
+
+
 @pytest.mark.parametrize("kind", sorted(CACHE_KINDS))
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -25,7 +29,8 @@ def test_every_cache_kind_equals_the_uncached_recompute(kind, dtype, shape):
     model = random_model(dtype=dtype, seed=3, **SHAPES[shape])
     rng = np.random.default_rng(7)
     texts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (9, 4)]  # unequal on purpose
-    cache = make_cache(kind, model, max_len=20, max_seqs=2, block_size=3)  # 3: blocks fill mid-decode
+    cache = make_cache(kind, model, max_len=20, max_seqs=2, block_size=3,  # 3: blocks fill mid-decode
+                       eviction=KEEP_ALL.get(kind))
     ids = ["a", "b"]
     for sid in ids:
         cache.add_sequence(sid)

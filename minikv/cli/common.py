@@ -52,6 +52,11 @@ INT_FLAGS = {
     "--prefill": (1, MAX_COUNT, "tokens fed in the first pass, fewer than the tokens evaluated"),
     "--group": (1, MAX_COUNT, "values per quantization scale of kivi*/fp8*, e.g. 32 (it must divide head_dim)"),
     "--residual": (1, MAX_COUNT, "KIVI's full-precision tokens, a multiple of --group, e.g. 128"),
+    "--window": (1, MAX_COUNT, "tokens a window cache keeps per layer and head, sinks included, e.g. 128"),
+    "--sinks": (0, MAX_COUNT, "first tokens kept for good, fewer than --window, e.g. 4"),
+    "--budget": (1, MAX_COUNT, "keys kept per layer and KV head, e.g. 128"),
+    "--recent": (0, MAX_COUNT, "H2O's protected latest tokens, at most --budget (default budget // 2)"),
+    "--obs-window": (1, MAX_COUNT, "SnapKV's observation window, fewer than --budget, e.g. 32"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {
@@ -237,6 +242,46 @@ def add_kv_dtype_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=32, help="values per scale for kivi*/fp8* (default 32)")
     p.add_argument("--residual", type=int, default=128,
                    help="KIVI's residual R for kivi*: the tokens kept in full precision, the block size (default 128)")
+
+
+EVICTION_FLAGS = ("window", "sinks", "positions", "budget", "recent", "h2o_score", "obs_window", "layout")
+
+
+def add_eviction_flags(p: argparse.ArgumentParser) -> None:
+    """The options of the step-6 caches (``--cache window|h2o|snapkv``; ``minikv.eviction``)."""
+    from minikv.window import POSITIONS
+
+    g = p.add_argument_group("window and eviction (--cache window, h2o, snapkv)")
+    g.add_argument("--window", type=int, default=None, help="--cache window: tokens kept, sinks included")
+    g.add_argument("--sinks", type=int, default=None, help="--cache window: first tokens kept for good (default 0)")
+    g.add_argument("--positions", choices=list(POSITIONS), default=None,
+                   help="--cache window: keys rotated at their original positions (default) or re-rotated by "
+                        "their in-cache rank (StreamingLLM; runs past the trained context)")
+    g.add_argument("--budget", type=int, default=None, help="--cache h2o|snapkv: keys kept per layer and KV head")
+    g.add_argument("--recent", type=int, default=None, help="--cache h2o: latest tokens always kept (budget // 2)")
+    g.add_argument("--h2o-score", choices=["raw", "normalized"], default=None,
+                   help="--cache h2o: accumulated attention (raw, H2O's; default) or divided by the queries "
+                        "that saw each key (normalized, kvpress's ObservedAttention)")
+    g.add_argument("--obs-window", type=int, default=None, help="--cache snapkv: observation window (default 32)")
+    g.add_argument("--layout", choices=["contiguous", "paged"], default=None,
+                   help="window/h2o/snapkv storage: contiguous slots (a ring for window; default) or paged blocks "
+                        "(--block-size), whose evicted blocks return to the pool")
+
+
+def eviction_options(args) -> dict | None:
+    """The step-6 options given on the command line, for ``make_cache(eviction=...)``; None for other caches.
+    A window/eviction flag with another --cache is refused (InvalidInputError naming it)."""
+    from minikv.generate import EVICTION_KINDS
+
+    given = {f: getattr(args, f) for f in EVICTION_FLAGS if getattr(args, f, None) is not None}
+    if args.cache not in EVICTION_KINDS:
+        if given:
+            flag = "--" + sorted(given)[0].replace("_", "-")
+            raise InvalidInputError(f"{flag} applies to --cache window, h2o or snapkv, not --cache {args.cache}")
+        return None
+    if "h2o_score" in given:
+        given["score"] = given.pop("h2o_score")
+    return given
 
 
 def resolve_cache(args) -> str:

@@ -12,9 +12,11 @@ flags here (a codec, a window) and their metrics there (KL against the exact run
 from __future__ import annotations
 
 from minikv.cli.common import (
+    add_eviction_flags,
     add_kv_dtype_flags,
     add_model_flag,
     check_ids,
+    eviction_options,
     load_model_arg,
     parse_ids,
     print_json,
@@ -44,9 +46,12 @@ def add_perplexity(sub) -> None:
                    help="(default: contiguous; paged with a quantized --kv-dtype) " + cache_help())
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
     add_kv_dtype_flags(p)
+    add_eviction_flags(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON line last with tokens, mean_nll, ppl, ...; with a quantized --kv-dtype also "
-                        "kld_vs_exact, top1_vs_exact, delta_ppl against the same run through the plain cache")
+                   help="print one JSON line last with tokens, mean_nll, ppl, ...; with a quantized --kv-dtype or an "
+                        "eviction --cache also kld_vs_exact, top1_vs_exact, delta_ppl against the exact cache")
+    p.add_argument("--nll-file", metavar="FILE", default=None,
+                   help="with a lossy cache: write the per-position NLL of both runs to FILE as JSON")
     add_model_flag(p)
     p.set_defaults(func=_run_perplexity)
 
@@ -78,17 +83,17 @@ def _eval_ids(args, model, tok, ids) -> tuple[list[int], str]:
     return ids, where
 
 
-def _quantized_factory(args, model):
-    """``factory(model, max_len)`` of the --kv-dtype cache, or None for the plain one; a group or residual
-    the model's shape refuses is refused here, before any run (ConfigError)."""
+def _lossy_factory(args, model):
+    """``factory(model, max_len)`` of the --kv-dtype or eviction cache, or None for an exact one; options the
+    model's shape refuses are refused here, before any run (ConfigError)."""
     from minikv.generate import make_cache
 
-    if args.kv_dtype in (None, "fp32"):
+    if args.kv_dtype in (None, "fp32") and args.eviction is None:
         return None
 
     def factory(m, n):
         return make_cache(args.cache, m, max_len=n, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                          group=args.group, residual=args.residual)
+                          group=args.group, residual=args.residual, eviction=args.eviction)
 
     factory(model, 1)
     return factory
@@ -102,16 +107,30 @@ def _measure(model, ids, args, factory, bar) -> dict:
         res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
                          progress=bar.update)
     else:
-        res = perplexity_vs_exact(model, ids, factory, prefill=args.prefill, exact_cache=args.cache,
-                                  block_size=args.block_size, label=args.cache, progress=bar.update)
+        exact = "contiguous" if args.eviction is not None else args.cache
+        res = perplexity_vs_exact(model, ids, factory, prefill=args.prefill, exact_cache=exact,
+                                  block_size=args.block_size, label=args.cache, progress=bar.update,
+                                  curve=args.nll_file is not None)
     quantized = args.kv_dtype not in (None, "fp32")
-    return {**res, "kv_dtype": args.kv_dtype or "fp32", "group": args.group if quantized else None,
-            "residual": args.residual if quantized and args.kv_dtype.startswith("kivi") else None}
+    out = {**res, "kv_dtype": args.kv_dtype or "fp32", "group": args.group if quantized else None,
+           "residual": args.residual if quantized and args.kv_dtype.startswith("kivi") else None}
+    if args.eviction is not None:
+        out["eviction"] = factory(model, 1).policy.describe()
+    return out
+
+
+def _policy_words(res: dict) -> str:
+    ev = res.get("eviction")
+    return "" if ev is None else "; " + ", ".join(f"{k} {v}" for k, v in ev.items() if k != "policy")
 
 
 def _run_perplexity(args) -> int:
     # the input is read and checked before the model loads
     args.cache = resolve_cache(args)
+    args.eviction = eviction_options(args)
+    if args.nll_file is not None and args.kv_dtype in (None, "fp32") and args.eviction is None:
+        raise InvalidInputError("--nll-file compares a lossy cache with the exact run: add --kv-dtype or "
+                                "--cache window|h2o|snapkv")
     ids = None
     if args.ids_file is not None:
         ids = parse_ids(read_input_file(args.ids_file, "--ids-file"), f"--ids-file={args.ids_file!r}")
@@ -120,16 +139,31 @@ def _run_perplexity(args) -> int:
         args.text = read_input_file(args.text_file, "--text-file")
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
-    factory = _quantized_factory(args, model)
+    factory = _lossy_factory(args, model)
     with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar:
         res = _measure(model, ids, args, factory, bar)
     print(f"{where}: {res['tokens']} tokens, {res['scored_tokens']} scored through the {args.cache} cache "
-          f"(kv_dtype {res['kv_dtype']}, prefill {res['prefill']}): mean NLL {res['mean_nll']:.4f} nats, "
+          f"(kv_dtype {res['kv_dtype']}{_policy_words(res)}, prefill {res['prefill']}): "
+          f"mean NLL {res['mean_nll']:.4f} nats, "
           f"perplexity {res['ppl']:.3f}; {res['cache_bytes_per_token']:,} cache bytes per token; "
           f"{res['elapsed_s']:.2f} s ({res['tokens_per_s']:.1f} tokens/s)")
     if "kld_vs_exact" in res:
         print(f"against the plain {args.cache} cache: KL {res['kld_vs_exact']:.3e} nats per token, top-1 agreement "
               f"{res['top1_vs_exact']:.4f}, perplexity {res['delta_ppl']:+.3%} ({res['ppl_exact']:.3f} exact)")
+    if args.nll_file is not None:
+        _write_curve(args.nll_file, res.pop("nll_curve"), res)
     if args.json:
         print_json(res)
     return 0
+
+
+def _write_curve(path: str, curve: dict, res: dict) -> None:
+    """The per-position NLL of both runs as JSON (position t predicts token t + 1)."""
+    import json
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"cache": res["cache"], "eviction": res.get("eviction"), "kv_dtype": res["kv_dtype"],
+                       "prefill": res["prefill"], "nll_exact": curve["exact"], "nll": curve["lossy"]}, f)
+    except OSError as e:
+        raise InvalidInputError(f"--nll-file={path!r} cannot be written ({e.strerror}); pick a writable path") from e

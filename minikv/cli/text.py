@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 
 from minikv.cli.common import (
+    add_eviction_flags,
     add_kv_dtype_flags,
     add_model_flag,
     add_prompt_flags,
     check_ids,
+    eviction_options,
     load_model_arg,
     print_json,
     progress,
@@ -98,6 +100,7 @@ def add_generate(sub) -> None:
                    help="(default: contiguous; paged with a quantized --kv-dtype) " + cache_help())
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
     add_kv_dtype_flags(p)
+    add_eviction_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON line last with ids, text and timings")
     add_model_flag(p)
     p.set_defaults(func=_run_generate)
@@ -112,10 +115,12 @@ def _run_generate(args) -> int:
         raise InvalidInputError("--chat wraps --prompt text in the chat template; with --prompt-ids give the "
                                 "ids of the whole templated prompt and drop --chat")
     args.cache = resolve_cache(args)
-    quant = dict(kv_dtype=args.kv_dtype, group=args.group, residual=args.residual)
+    quant = dict(kv_dtype=args.kv_dtype, group=args.group, residual=args.residual, eviction=eviction_options(args))
     model, tok = load_model_arg(args.model)
     prompt_ids = prompt_ids_of(args, model, tok, args.chat)
-    check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    policy = _policy_of(model, args, quant)
+    if policy is None or policy["positions"] != "in-cache":  # in-cache positions run past the context
+        check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
     if not args.chat:
         echo = args.prompt if args.prompt_ids is None else (
             tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
@@ -123,6 +128,8 @@ def _run_generate(args) -> int:
     res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
                              block_size=args.block_size, **quant)
     label = args.cache if args.kv_dtype is None else f"{args.cache}, kv_dtype {args.kv_dtype}"
+    if policy is not None:
+        label += ", " + ", ".join(f"{k} {v}" for k, v in policy.items() if k != "policy")
     print(f"[{label} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
           f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
           file=sys.stderr)
@@ -132,8 +139,19 @@ def _run_generate(args) -> int:
                     "prefill_s": res.prefill_s, "decode_tokens_per_s": res.decode_tokens_per_s,
                     "cache": args.cache, "finish_reason": res.finish_reason,
                     "kv_dtype": args.kv_dtype or "fp32",
-                    "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size, **quant)})
+                    "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size, **quant),
+                    **({"eviction": policy} if policy is not None else {})})
     return 0
+
+
+def _policy_of(model, args, quant: dict) -> dict | None:
+    """The eviction policy's description (positions contract included), built once to refuse bad options
+    before generating; None for a cache that keeps every token."""
+    from minikv.generate import make_cache
+
+    if quant["eviction"] is None:
+        return None
+    return make_cache(args.cache, model, max_len=1, block_size=args.block_size, **quant).policy.describe()
 
 
 def add_demo(sub) -> None:
