@@ -88,12 +88,14 @@ def pool1d(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
 
 
 class SnapKVPolicy(Policy):
-    """Compress the prompt to B keys per (layer, KV head) by the observation window's attention."""
+    """Compress the prompt to B keys per (layer, KV head) by the observation window's attention.
+    obs_window default: SnapKV's 32, or B // 2 for a budget under 64 (the window must leave room)."""
 
     name = "snapkv"
 
-    def __init__(self, budget: int, obs_window: int = 32, kernel: int = 5, pooling: str = "avg"):
+    def __init__(self, budget: int, obs_window: int | None = None, kernel: int = 5, pooling: str = "avg"):
         self.budget = check_int("budget", budget, hint="keys kept per layer and head, e.g. --budget 128")
+        obs_window = min(32, max(1, self.budget // 2)) if obs_window is None else obs_window  # SnapKV's 32
         self.obs_window = check_int("obs_window", obs_window, maximum=self.budget, error=ConfigError,
                                     hint=f"the observation window is kept whole, so it must fit the budget "
                                          f"B={self.budget}")

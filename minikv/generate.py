@@ -41,12 +41,14 @@ class CacheKind:
     slots(max_len, max_seqs, block_size) -> token positions the cache reserves up front
     build(model_args, max_len, max_seqs, block_size, dtype) -> the cache
     recompute: the cache forgets, so every step feeds the whole sequence again
+    evicts: the cache drops tokens (step 6): lossy, and built only with its ``eviction`` options
     """
 
     slots: Callable[[int, int, int], int]
     build: Callable[..., KVCacheBase]
     recompute: bool
     description: str
+    evicts: bool = False
 
 
 def _paged_blocks(max_len: int, max_seqs: int, block_size) -> int:
@@ -148,13 +150,13 @@ CACHE_KINDS: dict[str, CacheKind] = {
         build=_build_paged, recompute=False,
         description="fixed-size blocks from a shared pool, mapped by a block table (step 3)"),
     "window": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("window"),
-                        recompute=False, description="a ring of the --window latest tokens, plus --sinks first "
+                        recompute=False, evicts=True, description="a ring of the --window latest tokens, plus --sinks first "
                                                      "tokens kept for good (step 6, StreamingLLM)"),
-    "h2o": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("h2o"), recompute=False,
+    "h2o": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("h2o"), recompute=False, evicts=True,
                      description="--budget keys per layer and head: the --recent latest plus the heaviest by "
                                  "accumulated attention (step 6, H2O)"),
     "snapkv": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("snapkv"),
-                        recompute=False, description="the prompt compressed to --budget keys per layer and head "
+                        recompute=False, evicts=True, description="the prompt compressed to --budget keys per layer and head "
                                                      "by its last --obs-window queries (step 6, SnapKV)"),
 }
 
@@ -281,11 +283,11 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     result.prompt_ids, result.cache = prompt.tolist(), cache
     if max_new_tokens == 0:
         return
-    kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
-                    group=group, residual=residual, eviction=eviction)
-    if not getattr(kv, "rotates_in_cache", False):  # in-cache positions never pass the window: no limit
+    if (eviction or {}).get("positions") != "in-cache":  # in-cache positions never pass the window: no limit
         check_context(model.config.max_position, prompt.size, max_new_tokens)
     rng = sampling.new_rng()
+    kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
+                    group=group, residual=residual, eviction=eviction)
     kv.add_sequence(0)
     ids = prompt.tolist()
 

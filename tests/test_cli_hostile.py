@@ -108,6 +108,8 @@ def _flags() -> list[tuple[str, str, str, tuple]]:
                 out.append((command, flag, "ids", ()))
             elif flag in ("--text-file", "--ids-file"):
                 out.append((command, flag, "file", ()))
+            elif flag == "--nll-file":
+                out.append((command, flag, "outfile", ()))
             else:
                 out.append((command, flag, "unknown", ()))
     return out
@@ -149,6 +151,8 @@ def hostile(kind: str, flag: str, choices: tuple) -> st.SearchStrategy[str]:
                          st.text(alphabet=" ,;-.x", max_size=6))
     if kind == "file":
         return st.sampled_from(file_kinds(flag))
+    if kind == "outfile":  # an output path that cannot be written: a directory, a missing folder, nothing
+        return st.sampled_from(["/", "/no/such/folder/curve.json", ""])
     return st.just("")  # --prompt
 
 

@@ -125,10 +125,15 @@ def test_one_registry_of_cache_kinds(model):
     from minikv.kv_cache import ContiguousKVCache, NoCache
     from minikv.paged import PagedKVCache
 
-    assert list(CACHE_KINDS) == ["none", "contiguous", "paged"]
-    built = {kind: type(make_cache(kind, model, max_len=8)) for kind in CACHE_KINDS}
-    assert built == {"none": NoCache, "contiguous": ContiguousKVCache, "paged": PagedKVCache}
+    from minikv.window import EvictingKVCache
+
+    assert list(CACHE_KINDS) == ["none", "contiguous", "paged", "window", "h2o", "snapkv"]
+    options = {"window": {"window": 4}, "h2o": {"budget": 4}, "snapkv": {"budget": 4}}
+    built = {kind: type(make_cache(kind, model, max_len=8, eviction=options.get(kind))) for kind in CACHE_KINDS}
+    assert built == {"none": NoCache, "contiguous": ContiguousKVCache, "paged": PagedKVCache,
+                     "window": EvictingKVCache, "h2o": EvictingKVCache, "snapkv": EvictingKVCache}
     assert [k for k, spec in CACHE_KINDS.items() if spec.recompute] == ["none"]
+    assert [k for k, spec in CACHE_KINDS.items() if spec.evicts] == ["window", "h2o", "snapkv"]
 
 
 def test_sample_per_sequence_as_a_scheduler_calls_it(model):

@@ -128,9 +128,11 @@ def _run_perplexity(args) -> int:
     # the input is read and checked before the model loads
     args.cache = resolve_cache(args)
     args.eviction = eviction_options(args)
-    if args.nll_file is not None and args.kv_dtype in (None, "fp32") and args.eviction is None:
-        raise InvalidInputError("--nll-file compares a lossy cache with the exact run: add --kv-dtype or "
-                                "--cache window|h2o|snapkv")
+    if args.nll_file is not None:
+        _check_out_path(args.nll_file)
+        if args.kv_dtype in (None, "fp32") and args.eviction is None:
+            raise InvalidInputError("--nll-file compares a lossy cache with the exact run: add --kv-dtype or "
+                                    "--cache window|h2o|snapkv")
     ids = None
     if args.ids_file is not None:
         ids = parse_ids(read_input_file(args.ids_file, "--ids-file"), f"--ids-file={args.ids_file!r}")
@@ -155,6 +157,16 @@ def _run_perplexity(args) -> int:
     if args.json:
         print_json(res)
     return 0
+
+
+def _check_out_path(path: str) -> None:
+    """Refuse an --nll-file that cannot be written (before the long run, not after it)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if not path or os.path.isdir(path) or not os.path.isdir(folder):
+        raise InvalidInputError(f"--nll-file={path!r} is not a writable file path (a directory, or its folder "
+                                "does not exist); give a file name such as nll.json")
 
 
 def _write_curve(path: str, curve: dict, res: dict) -> None:
