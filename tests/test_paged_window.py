@@ -17,6 +17,7 @@ from minikv.eviction import H2OPolicy, MaskedRecompute, SnapKVPolicy
 from minikv.paged import PagedKVCache
 from minikv.paged_window import PagedEvictingKVCache
 from minikv.random_models import random_model
+from minikv.scheduler import Request, Scheduler
 from minikv.window import EvictingKVCache, WindowPolicy
 
 MODEL = random_model(dtype=np.float64, seed=1)
@@ -161,11 +162,27 @@ def test_fork_shares_blocks_and_eviction_drops_only_its_own_reference():
     assert np.array_equal(cache.evicted_at("p"), alone.evicted_at(0))
 
 
+def test_the_scheduler_runs_more_with_a_window_and_each_request_gets_its_own_tokens():
+    prompts = [np.random.default_rng(i).integers(0, 100, 10).tolist() for i in range(6)]
+    policy = WindowPolicy(8, 1)
+
+    def run(cache, ids):
+        sched = Scheduler(MODEL, cache)
+        return sched.run([Request(i, prompts[i], 20) for i in ids]), sched.stats
+
+    window, stats = run(paged(policy, 4, num_blocks=12), range(6))
+    _, full_stats = run(PagedKVCache(**MODEL.new_cache_args(), num_blocks=12, block_size=4, dtype=np.float64), range(6))
+    assert stats.preemptions < full_stats.preemptions and stats.steps < full_stats.steps
+    for i in range(6):  # a window's outputs depend on positions only, so batching and recompute change nothing
+        assert window[i] == run(paged(policy, 4, num_blocks=12), [i])[0][i]
+
+
 # -- prefix sharing ----------------------------------------------------------------------------------
 
 
-def test_a_prefix_hit_gives_the_same_logits_and_stops_at_the_first_eviction():
-    policy = WindowPolicy(8, 2)
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_a_prefix_hit_gives_the_same_logits_and_stops_at_the_first_eviction(positions):
+    policy = WindowPolicy(8, 2, positions)
     cache = paged(policy, 2)
     cache.add_sequence("a", IDS[:20])
     MODEL.forward([IDS[:20]], cache, seq_ids=["a"])  # evicts in its prompt step: shares nothing
@@ -239,10 +256,10 @@ def _check_invariants(cache) -> None:
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["new", "step", "step", "fork", "free"]), st.integers(0, 99)),
-               min_size=1, max_size=14)
+               min_size=3, max_size=20)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(ops=OPS, block_size=st.sampled_from([2, 3]))
 def test_random_steps_forks_and_frees_keep_the_cache_exact(ops, block_size):
     policy = WindowPolicy(6, 1)
