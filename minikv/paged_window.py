@@ -39,6 +39,8 @@ tokens, so their scores (and SnapKV's prompt step) would be missing.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from minikv.block_manager import HOLE
@@ -73,9 +75,7 @@ class _Book:
             self.evicted_at = np.pad(self.evicted_at, pad, constant_values=NEVER)
 
     def copy(self) -> _Book:
-        new = object.__new__(_Book)
-        new.__dict__ = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in self.__dict__.items()}
-        return new
+        return copy.deepcopy(self)
 
 
 class PagedEvictingKVCache(PagedKVCache):
