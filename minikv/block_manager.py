@@ -19,6 +19,10 @@ the pools (``minikv.paged.PagedKVCache``) carries it out.
   blocks in the prefix cache; ``rollback`` gives back exactly what ``reserve`` took.
 * ``swap_out`` / ``swap_in`` move a sequence between the device pool and a host
   pool (preemption by swap) and return the (source, destination) block lists.
+* ``release_block(seq_id, j)`` gives back a full block none of whose tokens the
+  sequence still reads (an evicting cache, ``minikv.paged_window``); entry j
+  becomes a ``HOLE``. Holes keep every other entry at its index (position p stays
+  in entry p // bs); fork, free, swap and the prefix cache all skip them.
 
 A block becomes shareable when the step that fills it commits, so requests
 admitted in the same step as the first one carrying a prefix compute that
@@ -36,6 +40,8 @@ from minikv.block_allocator import BlockAllocator, HashFn, num_blocks_for
 from minikv.errors import InvalidInputError, OutOfBlocksError, check_int
 from minikv.kv_cache import Step, lookup_sequence
 
+HOLE = -1  # a block-table entry whose block went back to the pool: the sequence reads none of its tokens
+
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
     a = np.asarray(token_ids)
@@ -46,6 +52,11 @@ def _token_list(token_ids: Sequence[int]) -> list[int]:
     return a.tolist()
 
 
+def _real(table: list) -> list:
+    """The block ids of a table, holes left out."""
+    return [b for b in table if b != HOLE]
+
+
 @dataclass
 class SeqState:
     block_table: list            # physical block ids on the device pool
@@ -53,6 +64,7 @@ class SeqState:
     token_ids: list | None = None  # the sequence's tokens when known (for prefix registration)
     num_registered: int = 0      # leading full blocks already registered in the prefix cache
     host_table: list | None = None  # host block ids while swapped out, else None
+    share_limit: int | None = None  # blocks from this index on are never registered (computed under eviction)
 
 
 @dataclass
@@ -209,10 +221,11 @@ class BlockManager:
         if child_id in self.seqs:
             raise InvalidInputError(f"sequence {child_id!r} already exists; fork into a new id")
         for bid in p.block_table:
-            self.allocator.incref(bid)
+            if bid != HOLE:
+                self.allocator.incref(bid)
         self.seqs[child_id] = SeqState(block_table=list(p.block_table), length=p.length,
                                        token_ids=None if p.token_ids is None else list(p.token_ids),
-                                       num_registered=p.num_registered)
+                                       num_registered=p.num_registered, share_limit=p.share_limit)
 
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence; its blocks return to the pool (full registered ones stay cached until evicted)."""
@@ -220,12 +233,32 @@ class BlockManager:
         s = self.state(seq_id)
         # Last block first: the LRU list then evicts a chain from its tail, and a
         # chain's first blocks (the ones every hit needs) survive the longest.
-        for bid in reversed(s.block_table):
+        for bid in reversed(_real(s.block_table)):
             self.allocator.decref(bid)
         if s.host_table is not None:
-            for bid in reversed(s.host_table):
+            for bid in reversed(_real(s.host_table)):
                 self.host_allocator.decref(bid)
         del self.seqs[seq_id]
+
+    def release_block(self, seq_id, index: int) -> None:
+        """Give back full block ``index`` of a sequence that reads none of its tokens any more; the entry becomes HOLE.
+
+        The block loses this sequence's reference only: other holders (fork, prefix hit) keep it,
+        and a registered block stays in the prefix cache (its K/V are still exact).
+        """
+        self._no_open_step("release a block")
+        s = self.resident(seq_id)
+        index = check_int("index", index, minimum=0, maximum=s.length // self.block_size - 1,
+                          error=InvalidInputError, hint="only a full block of the sequence can be released")
+        if s.block_table[index] == HOLE:
+            raise InvalidInputError(f"block {index} of sequence {seq_id!r} was already released")
+        self.allocator.decref(s.block_table[index])
+        s.block_table[index] = HOLE
+
+    def limit_sharing(self, seq_id, num_blocks: int) -> None:
+        """Never register blocks ``num_blocks`` on of the sequence (their K/V were computed under eviction)."""
+        s = self.state(seq_id)
+        s.share_limit = num_blocks if s.share_limit is None else min(s.share_limit, num_blocks)
 
     # -- swapping: each returns (source blocks, destination blocks) to copy, all layers, K and V ---
     def swap_out(self, seq_id) -> tuple[list[int], list[int]]:
@@ -239,12 +272,14 @@ class BlockManager:
         if self.host_allocator is None:
             raise OutOfBlocksError(f"cannot swap out {seq_id!r}: this cache has no host pool; "
                                    "build it with num_host_blocks > 0 or preempt by recompute")
-        dev, host = list(s.block_table), self.host_allocator.allocate_many(len(s.block_table))
+        dev = _real(s.block_table)
+        fresh = iter(self.host_allocator.allocate_many(len(dev)))
         for bid in reversed(dev):
             self.allocator.decref(bid)
-        s.block_table, s.host_table, s.num_registered = [], host, 0
+        s.host_table = [HOLE if b == HOLE else next(fresh) for b in s.block_table]  # holes stay at their index
+        s.block_table, s.num_registered = [], 0
         self.swap_outs += 1
-        return dev, host
+        return dev, _real(s.host_table)
 
     def swap_in(self, seq_id) -> tuple[list[int], list[int]]:
         """Bring a swapped-out sequence back into fresh device blocks; returns (host blocks, device blocks)."""
@@ -252,13 +287,14 @@ class BlockManager:
         s = self.state(seq_id)
         if s.host_table is None:
             raise InvalidInputError(f"sequence {seq_id!r} is not swapped out")
-        host, dev = list(s.host_table), self.allocator.allocate_many(len(s.host_table))
+        host = _real(s.host_table)
+        fresh = iter(self.allocator.allocate_many(len(host)))
         for bid in reversed(host):
             self.host_allocator.decref(bid)
-        s.block_table, s.host_table = dev, None
+        s.block_table, s.host_table = [HOLE if b == HOLE else next(fresh) for b in s.host_table], None
         self._register_full(s)
         self.swap_ins += 1
-        return host, dev
+        return host, _real(s.block_table)
 
     # -- steps ----------------------------------------------------------------------------------
     def reserve(self, step: Step) -> StepPlan:
@@ -320,15 +356,21 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(s.length, len(s.token_ids)) // bs
+        if s.share_limit is not None:
+            full = min(full, s.share_limit)
         for i in range(s.num_registered, full):
+            if s.block_table[i] == HOLE:
+                break  # a chain cannot pass a released block
             self.allocator.register(s.block_table[i], s.block_table[i - 1] if i else None,
                                     s.token_ids[i * bs:(i + 1) * bs])
-        s.num_registered = max(s.num_registered, full)
+            s.num_registered = i + 1
 
     def slots_filled(self) -> dict[int, int]:
         """Device block id -> token slots holding a real token (a shared block counted once)."""
         bs, filled = self.block_size, {}
         for s in self.seqs.values():
             for j, bid in enumerate(s.block_table):
+                if bid == HOLE:
+                    continue
                 filled[bid] = max(filled.get(bid, 0), min(bs, s.length - j * bs))
         return filled
