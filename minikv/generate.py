@@ -127,7 +127,7 @@ def _build_evicting(kind: str):
 
             return PagedEvictingKVCache(**args, num_blocks=_paged_blocks(max_len, max_seqs, block_size),
                                         block_size=_paged_block_size(block_size), policy=policy, dtype=dtype,
-                                        rope=rope, enable_prefix_caching=False)
+                                        rope=rope)
         check_choice("layout", layout, EVICTION_LAYOUTS)
         return EvictingKVCache(**args, policy=policy, max_seqs=max_seqs, dtype=dtype, rope=rope)
     return build
