@@ -82,8 +82,21 @@ def quant_numbers(runs: tuple[str, ...]) -> list[str]:
     return out
 
 
+def quant_peer_numbers(full: bool) -> list[str]:
+    """Each transformers QuantizedCache peer's KLD and minikv/peer ratio (and, if full, top-1 and delta ppl)."""
+    out = []
+    for r in _json("kv_quant_quality.json")["peer"].values():
+        out += [f"{r['kld_vs_exact']:.2e}", f"{r['kld_ratio_minikv_over_peer']:.3g}"]
+        if full:
+            out += [f"{r['top1_vs_exact']:.4f}", f"{r['delta_ppl']:+.2%}"]
+    return out
+
+
+QUANT_PAGES = ["README.md", "docs/05_quant.md", "docs/claims.md"]
+
+
 @pytest.mark.parametrize("page, runs", [
-    ("README.md", ("int8", "fp8", "int4", "k16v8")),
+    ("README.md", ("int8", "fp8", "int4", "kivi4", "kivi2", "k16v8")),
     ("docs/05_quant.md", ("int8", "int4", "q4_1", "kivi4", "kivi2", "fp8", "fp8 prefill 64", "fp8_e5m2", "k16v8",
                           "fp16", "bf16")),
     ("docs/claims.md", ("int8", "fp8", "k16v8")),
@@ -92,3 +105,42 @@ def test_kv_quant_quality_numbers_are_current(page, runs):
     text = (ROOT / page).read_text()
     for number in quant_numbers(runs):
         assert number in text, f"{page} should quote {number} from benchmarks/results/kv_quant_quality.json"
+
+
+@pytest.mark.parametrize("page, full", [("README.md", False), ("docs/05_quant.md", True)])
+def test_kv_quant_quality_peer_numbers_are_current(page, full):
+    text = (ROOT / page).read_text()
+    for number in quant_peer_numbers(full):
+        assert number in text, f"{page} should quote {number} (a peer) from benchmarks/results/kv_quant_quality.json"
+
+
+@pytest.mark.parametrize("page, template", [
+    ("README.md", "through the cache over {n} tokens"),
+    ("docs/05_quant.md", "{n} tokens of `reference_tokens(tokenizer, {n})`"),
+    ("docs/claims.md", "SmolLM2-135M, {n} tokens"),
+])
+def test_kv_quant_quality_text_length_is_current(page, template):
+    words = template.format(n=_json("kv_quant_quality.json")["tokens"])
+    assert words in " ".join((ROOT / page).read_text().split()), f"{page} should say {words!r}"
+
+
+def test_kv_quant_quality_goals_in_the_table_are_current():
+    """Each run's row in docs/05_quant.md says met / NOT met for exactly the goals the JSON met / missed."""
+    lines = (ROOT / "docs/05_quant.md").read_text().splitlines()
+    for name, r in _json("kv_quant_quality.json")["minikv"].items():
+        rows = [line for line in lines if line.startswith(f"| {name} |")]
+        assert len(rows) == 1, f"docs/05_quant.md should have one table row for {name!r}, has {len(rows)}"
+        cell = rows[0].rstrip(" |").rsplit("|", 1)[-1]
+        met = sum(g["met"] for g in r["goals"].values())
+        assert (cell.count("**met**"), cell.count("**NOT met**")) == (met, len(r["goals"]) - met), (
+            f"docs/05_quant.md's {name} row says {cell.strip()!r}; the JSON's goals: {r['goals']}")
+
+
+def test_no_page_calls_the_kivi_rows_vacuous_once_the_text_fills_the_residual():
+    d = _json("kv_quant_quality.json")
+    if any(r["residual"] and d["tokens"] - 1 < r["residual"] for r in d["minikv"].values()):
+        pytest.skip("a KIVI run of this JSON is shorter than its residual: the caveat belongs")
+    for page in QUANT_PAGES:
+        text = (ROOT / page).read_text()
+        for stale in ("measured nothing", "quantized nothing", "only vacuously"):
+            assert stale not in text, f"{page} still says {stale!r}, but every KIVI run filled its residual"
