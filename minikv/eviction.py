@@ -131,6 +131,27 @@ class SnapKVPolicy(Policy):
                 "kernel": self.kernel, "pooling": self.pooling}
 
 
+class PrefillOnly(Policy):
+    """Apply ``inner``'s choice once, after the prompt, then keep everything (kvpress's protocol).
+
+    The prompt itself attends causally over all of its keys (kvpress cuts each layer's cache after
+    that layer's attention); decoding then appends without evicting. ``WindowPolicy(W + 1, S)``
+    inside keeps S sinks and the W - S latest prompt tokens (the window counts the next token).
+    """
+
+    def __init__(self, inner: Policy):
+        self.inner, self.name, self.capacity = inner, f"{inner.name}@prefill", inner.capacity
+
+    def mass_queries(self, past, num_new):
+        return self.inner.mass_queries(past, num_new) if past == 0 else None
+
+    def keep(self, pos, score, seen, last, first_step):
+        return self.inner.keep(pos, score, seen, last, first_step) if first_step else pos >= 0
+
+    def describe(self):
+        return {**self.inner.describe(), "policy": self.name}
+
+
 POLICIES = {"window": WindowPolicy, "h2o": H2OPolicy, "snapkv": SnapKVPolicy}
 # each policy's options; a flag given to the wrong kind is refused rather than ignored
 POLICY_OPTIONS = {"window": ("window", "sinks", "positions"), "h2o": ("budget", "recent", "score"),

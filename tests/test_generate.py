@@ -124,7 +124,6 @@ def test_one_registry_of_cache_kinds(model):
     from minikv.generate import CACHE_KINDS, make_cache
     from minikv.kv_cache import ContiguousKVCache, NoCache
     from minikv.paged import PagedKVCache
-
     from minikv.window import EvictingKVCache
 
     assert list(CACHE_KINDS) == ["none", "contiguous", "paged", "window", "h2o", "snapkv"]
