@@ -133,6 +133,11 @@ def _build_evicting(kind: str):
     return build
 
 
+def _no_slots(max_len: int, max_seqs: int, block_size: int) -> int:
+    """An evicting cache reserves only its window or budget, which the memory check does not bound."""
+    return 0
+
+
 EVICTION_LAYOUTS = ("contiguous", "paged")
 EVICTION_KINDS = ("window", "h2o", "snapkv")
 
@@ -149,15 +154,17 @@ CACHE_KINDS: dict[str, CacheKind] = {
         slots=lambda max_len, max_seqs, block_size: _paged_blocks(max_len, max_seqs, block_size) * block_size,
         build=_build_paged, recompute=False,
         description="fixed-size blocks from a shared pool, mapped by a block table (step 3)"),
-    "window": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("window"),
-                        recompute=False, evicts=True, description="a ring of the --window latest tokens, plus --sinks first "
-                                                     "tokens kept for good (step 6, StreamingLLM)"),
-    "h2o": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("h2o"), recompute=False, evicts=True,
-                     description="--budget keys per layer and head: the --recent latest plus the heaviest by "
-                                 "accumulated attention (step 6, H2O)"),
-    "snapkv": CacheKind(slots=lambda max_len, max_seqs, block_size: 0, build=_build_evicting("snapkv"),
-                        recompute=False, evicts=True, description="the prompt compressed to --budget keys per layer and head "
-                                                     "by its last --obs-window queries (step 6, SnapKV)"),
+    "window": CacheKind(
+        slots=_no_slots, build=_build_evicting("window"), recompute=False, evicts=True,
+        description="a ring of the --window latest tokens, plus --sinks first tokens kept for good (step 6)"),
+    "h2o": CacheKind(
+        slots=_no_slots, build=_build_evicting("h2o"), recompute=False, evicts=True,
+        description="--budget keys per layer and head: the --recent latest plus the heaviest by accumulated "
+                    "attention (step 6, H2O)"),
+    "snapkv": CacheKind(
+        slots=_no_slots, build=_build_evicting("snapkv"), recompute=False, evicts=True,
+        description="the prompt compressed to --budget keys per layer and head by its last --obs-window queries "
+                    "(step 6, SnapKV)"),
 }
 
 
