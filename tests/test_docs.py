@@ -29,8 +29,8 @@ from minikv.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-REQUIRED = ["index.md", "01_naive_attention.md", "02_kv_cache.md", "03_paged.md", "04_mla.md", "05_quant.md", "gpu.md",
-            "formulas.md", "claims.md", "interview.md"]
+REQUIRED = ["index.md", "01_naive_attention.md", "02_kv_cache.md", "03_paged.md", "04_mla.md", "05_quant.md",
+            "06_window.md", "gpu.md", "formulas.md", "claims.md", "interview.md"]
 PAGES = sorted(DOCS.glob("*.md"))
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

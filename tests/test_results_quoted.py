@@ -144,3 +144,49 @@ def test_no_page_calls_the_kivi_rows_vacuous_once_the_text_fills_the_residual():
         text = (ROOT / page).read_text()
         for stale in ("measured nothing", "quantized nothing", "only vacuously"):
             assert stale not in text, f"{page} still says {stale!r}, but every KIVI run filled its residual"
+
+
+# --- step 6: eviction_quality.json and kvpress_compare.json -----------------------------------------
+
+EVICTION_ROWS = {"README.md": ("window", "sinks", "h2o", "h2o normalized"),
+                 "docs/06_window.md": ("window", "sinks", "sinks in-cache", "h2o", "h2o normalized", "snapkv")}
+
+
+def eviction_numbers(page: str) -> list[str]:
+    """The ratios to the full perplexity (both pages) and, on the doc page, each ppl and KLD."""
+    d = _json("eviction_quality.json")
+    full, out = d["full"]["ppl"], [f"{d['full']['ppl']:.3f}"]
+    for name in EVICTION_ROWS[page]:
+        for b in (64, 128, 256):
+            r = d["runs"][f"{name} B={b}"]
+            out.append(f"{r['ppl'] / full:.2f}x")
+            if page == "docs/06_window.md":
+                out += [f"{r['ppl']:.2f}", f"{r['kld_vs_exact']:.3f}"]
+    return out
+
+
+@pytest.mark.parametrize("page", sorted(EVICTION_ROWS))
+def test_eviction_quality_numbers_are_current(page):
+    text = (ROOT / page).read_text()
+    for number in eviction_numbers(page):
+        assert number in text, f"{page} should quote {number} from benchmarks/results/eviction_quality.json"
+
+
+def test_eviction_goals_quoted_are_the_measured_ones():
+    g = _json("eviction_quality.json")["goals"]
+    assert g["window_only_ppl_over_full"]["met"] and g["sinks_ppl_over_full"]["met"], g  # else the pages must say so
+    for page in ("README.md", "docs/06_window.md"):
+        text = (ROOT / page).read_text()
+        for k in ("window_only_ppl_over_full", "sinks_ppl_over_full"):
+            assert f"{g[k]['measured']:.2f}x" in text, f"{page} should quote the measured {k}"
+
+
+def test_kvpress_comparison_quoted_is_the_measured_one():
+    d = _json("kvpress_compare.json")
+    doc = (ROOT / "docs/06_window.md").read_text()
+    for press in ("SnapKVPress", "StreamingLLMPress", "ObservedAttentionPress"):
+        r = d["pairs"][press]
+        assert f"{r['identical_sets']} of {r['sets']}" in doc and f"{r['kvpress_ppl']:.4f} / {r['minikv_ppl']:.4f}" in doc
+    if all(d["pairs"][p]["identical_sets"] == d["pairs"][p]["sets"] for p in ("SnapKVPress", "StreamingLLMPress",
+                                                                                "ObservedAttentionPress")):
+        assert "all 90" in (ROOT / "README.md").read_text()
