@@ -364,6 +364,13 @@ class EvictingKVCache(KVCacheBase):
         pos = lookup_sequence(self._seqs, seq_id).pos[layer]
         return [np.sort(p[p >= 0]) for p in pos]
 
+    def slots(self, seq_id, layer: int) -> dict:
+        """Copies of one layer's slots in storage order: ``pos``, ``score`` (the policy's accumulated mass)
+        and ``seen`` (queries that saw each key), each [Hkv, C]; pos -1 = an empty slot."""
+        self._check_layer(layer)
+        s = lookup_sequence(self._seqs, seq_id)
+        return {"pos": s.pos[layer].copy(), "score": s.score[layer].copy(), "seen": s.seen[layer].copy()}
+
     def evicted_at(self, seq_id) -> np.ndarray:
         """[L, Hkv, n]: the first query position that no longer saw each key (NEVER: still kept)."""
         s = lookup_sequence(self._seqs, seq_id)

@@ -61,12 +61,12 @@ def _executor():
 
 
 def _minikv_names() -> set[str]:
-    """Names of every function and class defined in a minikv module."""
+    """Names of every function and class defined in a minikv module, subpackages included."""
     import minikv
 
     names = set()
-    for info in pkgutil.iter_modules(minikv.__path__, "minikv."):
-        if info.name == "minikv.__main__":  # importing it would run the command line
+    for info in pkgutil.walk_packages(minikv.__path__, "minikv."):
+        if info.name.endswith("__main__"):  # importing it would run the command line
             continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
