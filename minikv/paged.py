@@ -295,6 +295,10 @@ class PagedKVCache(KVCacheBase):
         """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume."""
         return self.blocks.admission_cost(prompt_ids)
 
+    def peak_blocks(self, prompt_len: int, longest: int) -> int:
+        """The most blocks one sequence can hold at once on its way to ``longest`` tokens (admission's bound)."""
+        return num_blocks_for(longest, self.block_size)
+
     def blocks_needed(self, seq_ids: Sequence, num_new: Sequence[int]) -> int:
         """Free blocks a step with these sequences would consume (new blocks + copy-on-write copies)."""
         return self.blocks.blocks_needed(seq_ids, num_new)

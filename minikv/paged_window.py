@@ -45,8 +45,8 @@ import numpy as np
 
 from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError, ShapeError
-from minikv.paged import PagedKVCache, default_blocks_per_tile
-from minikv.window import NEVER, Policy, attend_in_cache, attend_slots
+from minikv.paged import PagedKVCache, default_blocks_per_tile, num_blocks_for
+from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots
 
 
 def reads_scores(policy: Policy) -> bool:
@@ -230,6 +230,17 @@ class PagedEvictingKVCache(PagedKVCache):
                 self.blocks.release_block(sid, int(j))
 
     # -- inspection ------------------------------------------------------------------------------
+    def peak_blocks(self, prompt_len: int, longest: int) -> int:
+        """A window holds at most its sinks' blocks, the blocks its W - S - 1 latest keys span and the block
+        being filled; a prompt step writes all of its tokens before the commit drops any. Other policies
+        free only blocks whose every key they dropped, so their bound stays the full length's."""
+        full = num_blocks_for(longest, self.block_size)
+        if not isinstance(self.policy, WindowPolicy):
+            return full
+        bs, w, s = self.block_size, self.policy.window, self.policy.sinks
+        window = -(-s // bs) + (-(-(w - s - 1) // bs) + 1) + 1
+        return min(full, max(num_blocks_for(prompt_len, bs) + 1, window))
+
     def kept_positions(self, seq_id, layer: int) -> list[np.ndarray]:
         """The positions each KV head keeps at ``layer``, sorted: Hkv arrays."""
         self._check_layer(layer)

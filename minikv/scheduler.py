@@ -243,7 +243,7 @@ class Scheduler:
         if longest > self.model.config.max_position:
             raise InvalidInputError(f"request {request.id!r} may reach {longest} tokens, beyond the model's "
                                     f"max_position={self.model.config.max_position}; lower max_new_tokens")
-        need = num_blocks_for(longest, self.cache.block_size)
+        need = self.cache.peak_blocks(prompt.size, longest)  # a window cache returns blocks as it slides
         if need > self.cache.num_blocks:
             raise CacheFullError(f"request {request.id!r} may need {need} blocks but the pool has only "
                                  f"{self.cache.num_blocks}; build a larger cache or lower max_new_tokens")

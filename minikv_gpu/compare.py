@@ -24,7 +24,7 @@ from minikv import mla as cpu_mla
 from minikv import paged as cpu_paged
 from minikv.bench.equivalence import max_abs_err, rel_err
 from minikv.errors import ConfigError, InvalidInputError, check_int
-from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs every one
+from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs the lossless ones
 from minikv.model import Model as CpuModel
 from minikv.model import random_model
 from minikv_gpu import kv_cache as gpu_cache
@@ -46,6 +46,7 @@ SMOLLM2_SHAPES = dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=
 # over 30 layers those flips move SmolLM2's logits by a few 1e-3 (measured: 4.7e-3 on the simulator),
 # still far below the float16 rounding's own effect on the logits.
 DEFAULT_TOL = {"float32": 1e-3, "float16": 1e-2}
+COMPARE_KINDS = tuple(k for k, spec in CACHE_KINDS.items() if not spec.evicts)
 
 
 @dataclass
@@ -141,8 +142,9 @@ def compare(model: CpuModel, prompt_ids, max_new_tokens: int = 4, *, backend: st
     on_step:        called with each ``StepResult`` as soon as it is measured (for printing)
     block_size:     token slots per block of the paged caches
     """
-    if cache not in CACHE_KINDS:
-        raise ConfigError(f"cache={cache!r}; compare supports {CACHE_KINDS}")
+    if cache not in COMPARE_KINDS:
+        raise ConfigError(f"cache={cache!r}; compare supports {COMPARE_KINDS} (the eviction kinds' GPU path is "
+                          "checked by tests/gpu/test_gpu_window.py)")
     check_int("max_new_tokens", max_new_tokens, error=InvalidInputError, hint="1 = prefill only")
     ids = [int(t) for t in prompt_ids]
     if not ids:

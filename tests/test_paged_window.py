@@ -14,7 +14,7 @@ from minikv.bench.equivalence import assert_close
 from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
 from minikv.eviction import H2OPolicy, MaskedRecompute, SnapKVPolicy
-from minikv.paged import PagedKVCache
+from minikv.paged import PagedKVCache, num_blocks_for
 from minikv.paged_window import PagedEvictingKVCache
 from minikv.random_models import random_model
 from minikv.scheduler import Request, Scheduler
@@ -175,6 +175,22 @@ def test_the_scheduler_runs_more_with_a_window_and_each_request_gets_its_own_tok
     assert stats.preemptions < full_stats.preemptions and stats.steps < full_stats.steps
     for i in range(6):  # a window's outputs depend on positions only, so batching and recompute change nothing
         assert window[i] == run(paged(policy, 4, num_blocks=12), [i])[0][i]
+
+
+def test_the_scheduler_admits_a_request_longer_than_the_pool_under_a_window():
+    """A window returns blocks as it slides, so admission bounds the blocks held at once, not the length."""
+    from minikv.errors import CacheFullError
+
+    prompt = np.random.default_rng(9).integers(0, 100, 6).tolist()
+    window = paged(WindowPolicy(8, 1), 4, num_blocks=6)                    # 6 blocks = 24 slots
+    assert window.peak_blocks(6, 6 + 40 - 1) == 5 < num_blocks_for(45, 4)  # sinks 1 + span 2 + 1 + the open one
+    out = Scheduler(MODEL, window).run([Request("long", prompt, 40)])["long"]
+    assert len(out) == 40 and window.num_free_blocks == 6
+    alone = paged(WindowPolicy(8, 1), 4, num_blocks=20)
+    assert out == Scheduler(MODEL, alone).run([Request("long", prompt, 40)])["long"]
+    full = PagedKVCache(**MODEL.new_cache_args(), num_blocks=6, block_size=4, dtype=np.float64)
+    with pytest.raises(CacheFullError, match="blocks"):
+        Scheduler(MODEL, full).add_request(Request("long", prompt, 40))
 
 
 # -- prefix sharing ----------------------------------------------------------------------------------

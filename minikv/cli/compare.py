@@ -17,7 +17,8 @@ def add_compare(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8, help="steps to compare, the prefill included")
     p.add_argument("--backend", choices=["cupy", "sim"], default=None,
                    help="GPU path: CuPy or the CPU simulator (default: $MINIKV_GPU_BACKEND, else CuPy if usable)")
-    p.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous", help=cache_help())
+    p.add_argument("--cache", choices=[k for k, spec in CACHE_KINDS.items() if not spec.evicts], default="contiguous",
+                   help=cache_help())
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
     p.add_argument("--cache-dtype", choices=["float32", "float16"], default="float32",
                    help="what both caches store (attention computes in float32 either way)")
