@@ -10,7 +10,8 @@ with the full cache (one exact pass over the text):
 * ``h2o``         budget B: B/2 recent + B/2 heavy hitters by raw accumulated attention;
 * ``h2o normalized``  the same, scores divided by the queries that saw each key;
 * ``snapkv``      the first half of the text is the prompt, compressed to B keys per (layer, KV head)
-                  by its last 32 queries; the second half is decoded with no further eviction.
+                  by its last 32 queries; the second half is decoded with no further eviction, so its
+                  cache grows to B + 511 keys: not comparable with the others at equal memory.
 
 Each at budgets (W = B) 64, 128 and 256, reporting perplexity, KLD(full || policy), top-1
 agreement, and the per-position NLL (the curve of notebook 06). The issue's goals, checked at

@@ -37,7 +37,8 @@ import numpy as np
 
 from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_choice, check_int
 from minikv.kv_cache import KVCacheBase
-from minikv.window import POSITIONS, Policy, WindowPolicy, attend_in_cache
+from minikv.layers import apply_rope
+from minikv.window import POSITIONS, Policy, WindowPolicy
 
 H2O_SCORES = ("raw", "normalized")
 POOLINGS = ("avg", "max")
@@ -235,11 +236,29 @@ class MaskedRecompute(KVCacheBase):
         mask = self.mask(layer, n)                                            # [Hkv, n, n]
         kt, vt = k.transpose(1, 0, 2).astype(q.dtype), v.transpose(1, 0, 2).astype(q.dtype)
         if self.rotates_in_cache:
-            kpos = np.broadcast_to(np.arange(n), (hkv, n))
-            return attend_in_cache(q, kt, vt, kpos, np.arange(n), lambda qp, kp: mask[:, qp, :], self.rope)
+            return self._ranked(q, kt, vt, mask)
         qg = q.reshape(n, hkv, hq // hkv, d).transpose(1, 2, 0, 3)            # [Hkv, G, n, D]
         scores = qg @ kt[:, None].swapaxes(-1, -2) / np.sqrt(d).astype(q.dtype)
         scores = np.where(mask[:, None], scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         out = (p / p.sum(-1, keepdims=True)) @ vt[:, None]                    # [Hkv, G, n, D]
         return out.transpose(2, 0, 1, 3).reshape(n, hq, d).astype(q.dtype)
+
+    def _ranked(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """In-cache positions, written independently of the cache's code: for each query and KV head, take
+        the visible keys in time order, rotate the i-th by angle row i and the query by the last row, then a
+        plain softmax. q: [n, Hq, D] and k: [Hkv, n, D] pre-RoPE; v: [Hkv, n, D]; mask: [Hkv, n, n]."""
+        cos, sin, layout = self.rope
+        n, hq, d = q.shape
+        g = hq // self.num_kv_heads
+        out = np.empty_like(q)
+        for t in range(n):
+            for h in range(self.num_kv_heads):
+                seen = np.flatnonzero(mask[h, t])                              # time order
+                m = seen.size
+                kr = apply_rope(k[h, seen][:, None], cos[:m], sin[:m], layout)[:, 0]          # [m, D]
+                qr = apply_rope(q[t:t + 1, h * g:(h + 1) * g], cos[m - 1:m], sin[m - 1:m], layout)[0]  # [G, D]
+                s = qr @ kr.T / np.sqrt(d).astype(q.dtype)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                out[t, h * g:(h + 1) * g] = (p / p.sum(-1, keepdims=True)) @ v[h, seen]
+        return out

@@ -114,7 +114,7 @@ def bytes_per_token(args: dict, dtype) -> int:
 def _build_evicting(kind: str):
     """The builder of an eviction kind (step 6): its policy over contiguous slots or paged blocks."""
     def build(args: dict, max_len: int, max_seqs: int, block_size: int, dtype, rope=None, layout="contiguous",
-              **options) -> KVCacheBase:
+              log: bool = False, **options) -> KVCacheBase:
         from minikv.eviction import make_policy
         from minikv.window import EvictingKVCache
 
@@ -127,9 +127,9 @@ def _build_evicting(kind: str):
 
             return PagedEvictingKVCache(**args, num_blocks=_paged_blocks(max_len, max_seqs, block_size),
                                         block_size=_paged_block_size(block_size), policy=policy, dtype=dtype,
-                                        rope=rope)
+                                        rope=rope, log=log)
         check_choice("layout", layout, EVICTION_LAYOUTS)
-        return EvictingKVCache(**args, policy=policy, max_seqs=max_seqs, dtype=dtype, rope=rope)
+        return EvictingKVCache(**args, policy=policy, max_seqs=max_seqs, dtype=dtype, rope=rope, log=log)
     return build
 
 
@@ -202,8 +202,9 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     (KIVI's R; ``block_size`` is replaced by it). Refuses (ConfigError) a cache whose K and V
     would not fit in the memory available now, before allocating anything.
     ``eviction``: the options of a step-6 kind (window/h2o/snapkv): ``minikv.eviction.make_policy``'s
-    (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling) and ``layout``
-    ("contiguous" slots, the default, or "paged" blocks); other kinds refuse it.
+    (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling), ``layout``
+    ("contiguous" slots, the default, or "paged" blocks) and ``log`` (keep the eviction log that
+    ``MaskedRecompute`` needs; default False: it grows with the text); other kinds refuse it.
     """
     spec = cache_kind(kind)
     max_len = check_int("max_len", max_len, error=InvalidInputError)

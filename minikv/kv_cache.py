@@ -164,8 +164,13 @@ class KVCacheBase:
 
     def end_step(self) -> None:
         step = self._require_step()
-        self._commit(step)
-        self._step = None
+        try:
+            self._commit(step)
+        except BaseException:  # a commit that refuses (it checks before changing anything) closes the step
+            self._rollback(step)
+            raise
+        finally:
+            self._step = None
 
     def abort_step(self) -> None:
         if self._step is not None:

@@ -52,7 +52,7 @@ import numpy as np
 
 from minikv import online_softmax
 from minikv.block_allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for
-from minikv.block_manager import BlockManager
+from minikv.block_manager import HOLE, BlockManager
 from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_int
 from minikv.kv_cache import KVCacheBase, Step
 
@@ -294,6 +294,13 @@ class PagedKVCache(KVCacheBase):
     def admission_cost(self, prompt_ids: Sequence[int]) -> int:
         """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume."""
         return self.blocks.admission_cost(prompt_ids)
+
+    def num_blocks_held(self, seq_id) -> int:
+        """Blocks the sequence holds (on the device, or on the host while swapped out); a block an evicting
+        cache gave back (a hole in its table) does not count."""
+        s = self.blocks.state(seq_id)
+        table = s.block_table if s.host_table is None else s.host_table
+        return sum(1 for b in table if b != HOLE)
 
     def peak_blocks(self, prompt_len: int, longest: int) -> int:
         """The most blocks one sequence can hold at once on its way to ``longest`` tokens (admission's bound)."""

@@ -46,7 +46,7 @@ import numpy as np
 from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError, ShapeError
 from minikv.paged import PagedKVCache, default_blocks_per_tile, num_blocks_for
-from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots
+from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots, check_rope_table
 
 
 def reads_scores(policy: Policy) -> bool:
@@ -103,12 +103,14 @@ class PagedEvictingKVCache(PagedKVCache):
                               "(SnapKV: its whole prompt step) would be missing; use enable_prefix_caching=False")
         if policy.positions == "in-cache" and rope is None:
             raise ConfigError("positions='in-cache' re-rotates keys at attention time: pass rope=(cos, sin, layout)")
+        check_rope_table(policy, rope)
         share = not reads_scores(policy) if enable_prefix_caching is None else bool(enable_prefix_caching)
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype,
                          enable_prefix_caching=share, **paged_options)
         self.policy, self.rope, self.log = policy, rope, bool(log)
         self.rotates_in_cache = policy.positions == "in-cache"
         self._books: dict = {}
+        self._attended: set = set()  # layers that attended in the open step
         self._masses: dict = {}  # (layer, step index) -> (mass [Hkv, n], seen [Hkv, n]) of the open step
 
     # -- sequences: the manager's bookkeeping, plus ours ---------------------------------------
@@ -158,6 +160,7 @@ class PagedEvictingKVCache(PagedKVCache):
         if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
             raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
         out = np.empty_like(q)
+        self._attended.add(layer)
         for i, sid in enumerate(step.seq_ids):
             r, past, t = step.rows(i), int(step.past[i]), int(step.num_new[i])
             q_pos = step.positions[r]
@@ -181,6 +184,11 @@ class PagedEvictingKVCache(PagedKVCache):
         return out
 
     def _commit(self, step) -> None:
+        missing = sorted(set(range(self.num_layers)) - self._attended)
+        if missing:  # checked before anything changes: a half-run step must not half-commit
+            raise InvalidInputError(f"the step attended no queries at layers {missing}; every layer must write "
+                                    "and attend before the step ends")
+        self._attended.clear()
         for i, sid in enumerate(step.seq_ids):
             self._settle(i, sid, step)
         super()._commit(step)  # lengths advance; newly full blocks register, up to each share_limit
@@ -190,6 +198,7 @@ class PagedEvictingKVCache(PagedKVCache):
 
     def _rollback(self, step) -> None:
         self._masses.clear()
+        self._attended.clear()
         super()._rollback(step)
 
     def _settle(self, i: int, sid, step) -> None:

@@ -338,7 +338,7 @@ class Scheduler:
 
     def _preempt(self, seq: _Seq) -> None:
         sid = seq.request.id
-        if self.preemption == "swap" and self.cache.host_allocator.num_free >= len(self.cache.block_table(sid)):
+        if self.preemption == "swap" and self.cache.host_allocator.num_free >= self.cache.num_blocks_held(sid):
             self.cache.swap_out(sid)
             seq.state = "swapped"
             self.swapped.append(seq)
@@ -358,7 +358,9 @@ class Scheduler:
             s = self.swapped[0]
             # its blocks come back, plus whatever its pending tokens (a decode, or a prefill chunk) need
             n = min(s.pending, budget)
-            need = num_blocks_for(cache.length(s.request.id) + n, cache.block_size)
+            length = cache.length(s.request.id)
+            need = cache.num_blocks_held(s.request.id) + (num_blocks_for(length + n, cache.block_size)
+                                                          - num_blocks_for(length, cache.block_size))
             if n < 1 or need + (self.watermark_blocks if self.running else 0) > free:
                 break
             self.swapped.popleft()

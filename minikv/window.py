@@ -174,12 +174,12 @@ def attend_slots(q: np.ndarray, tiles: list, visible, mass_rows: np.ndarray | No
 def rank_positions(k_pos: np.ndarray, vis: np.ndarray) -> np.ndarray:
     """In-cache positions: each visible key's rank among the visible keys, in time order.
 
-    k_pos: [Hkv, K] (any order), vis: [Hkv, K] bool -> [Hkv, K] int64 (garbage where not visible).
+    k_pos: [Hkv, K] (any order), vis: [Hkv, K] bool -> [Hkv, K] int64 (0 where not visible).
     """
     order = np.argsort(np.where(vis, k_pos, NEVER), axis=-1, kind="stable")
     ranks = np.empty_like(order)
     np.put_along_axis(ranks, order, np.arange(k_pos.shape[-1])[None, :].repeat(k_pos.shape[0], 0), axis=-1)
-    return ranks
+    return np.where(vis, ranks, 0)  # an unseen key gets 0: its rotation is never used, nor past the table
 
 
 def attend_in_cache(q_pre: np.ndarray, k_pre: np.ndarray, v: np.ndarray, k_pos: np.ndarray,
@@ -209,19 +209,28 @@ def attend_in_cache(q_pre: np.ndarray, k_pre: np.ndarray, v: np.ndarray, k_pos: 
     return out
 
 
+def check_rope_table(policy: Policy, rope: tuple | None) -> None:
+    """In-cache ranks reach W - 1: refuse a window longer than the model's RoPE table (ConfigError)."""
+    if policy.positions == "in-cache" and rope is not None and len(rope[0]) < getattr(policy, "window", 0):
+        raise ConfigError(f"window={policy.window} with in-cache positions needs RoPE angles for ranks up to "
+                          f"{policy.window - 1}, but the model has {len(rope[0])} (max_position); use --window "
+                          f"<= {len(rope[0])}")
+
+
 # --- contiguous storage ---------------------------------------------------------------------------
 
 
 class _Seq:
     """One sequence's slots: k, v [L, Hkv, C, D]; pos, seen [L, Hkv, C] int64; score float64;
-    ``evicted_at`` [L, Hkv, n] (the log, grown as tokens arrive) and ``length`` (tokens seen)."""
+    ``log`` [L, Hkv, >= n] (``evicted_at`` of the n tokens seen, capacity doubled as they arrive, so a
+    token costs O(1) amortized) and ``length`` (tokens seen)."""
 
     def __init__(self, shape: tuple, dtype, log: bool):
         L, hkv, c, d = shape
         self.k, self.v = np.zeros(shape, dtype), np.zeros(shape, dtype)
         self.pos = np.full((L, hkv, c), -1, dtype=np.int64)
         self.score, self.seen = np.zeros((L, hkv, c)), np.zeros((L, hkv, c), dtype=np.int64)
-        self.evicted_at = np.zeros((L, hkv, 0), dtype=np.int64) if log else None
+        self.log = np.full((L, hkv, 16), NEVER, dtype=np.int64) if log else None
         self.length = 0
 
     def grow(self, extra: int) -> None:
@@ -239,7 +248,8 @@ class EvictingKVCache(KVCacheBase):
     policy:  a ``Policy`` (``WindowPolicy``, ``minikv.eviction.H2OPolicy``, ``SnapKVPolicy``)
     rope:    (cos, sin, layout) of the model, needed by ``in-cache`` positions only: the model then
              hands over pre-RoPE q and k (``rotates_in_cache``) and this cache rotates by rank
-    log:     keep ``evicted_at`` (what ``MaskedRecompute`` needs; O(tokens) int64 per layer and head)
+    log:     keep ``evicted_at`` (what ``MaskedRecompute`` needs; one int64 per token, layer and head, so
+             ``make_cache`` turns it off: a streaming cache must not grow with the text)
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, policy: Policy, max_seqs: int = 1,
@@ -248,6 +258,7 @@ class EvictingKVCache(KVCacheBase):
         if policy.positions == "in-cache" and rope is None:
             raise ConfigError("positions='in-cache' re-rotates keys at attention time: pass rope=(cos, sin, layout)"
                               " (make_cache does)")
+        check_rope_table(policy, rope)
         self.policy, self.rope, self.log = policy, rope, bool(log)
         self.rotates_in_cache = policy.positions == "in-cache"
         self.max_seqs = check_int("max_seqs", max_seqs)
@@ -306,11 +317,16 @@ class EvictingKVCache(KVCacheBase):
         return out
 
     def _commit(self, step) -> None:
+        missing = [layer for layer in range(self.num_layers) if layer not in self._stash]
+        if missing:  # checked before anything changes: a half-run step must not half-commit
+            raise InvalidInputError(f"the step wrote no K/V for layers {missing}; every layer must write and "
+                                    "attend before the step ends")
         for i, sid in enumerate(step.seq_ids):
             s, r = self._seqs[sid], step.rows(i)
             new_pos = step.positions[r]
-            if s.evicted_at is not None:
-                s.evicted_at = np.concatenate([s.evicted_at, np.full(s.pos.shape[:2] + (new_pos.size,), NEVER)], -1)
+            if s.log is not None and s.log.shape[-1] < s.length + new_pos.size:
+                extra = max(s.log.shape[-1], new_pos.size)
+                s.log = np.concatenate([s.log, np.full(s.log.shape[:2] + (extra,), NEVER)], -1)
             for layer in range(self.num_layers):
                 self._settle(s, layer, i, r, new_pos, first=int(step.past[i]) == 0)
             s.length += new_pos.size
@@ -332,9 +348,9 @@ class EvictingKVCache(KVCacheBase):
             seen += np.concatenate([n_old, n_new], -1)
         keep = self.policy.keep(pos, score, seen, int(new_pos[-1]), first)
         gone = (pos >= 0) & ~keep
-        if s.evicted_at is not None and gone.any():
+        if s.log is not None and gone.any():
             h, j = np.nonzero(gone)
-            s.evicted_at[layer, h, pos[h, j]] = self.policy.dropped_at(pos[h, j], int(new_pos[-1]))
+            s.log[layer, h, pos[h, j]] = self.policy.dropped_at(pos[h, j], int(new_pos[-1]))
         s.pos[layer][gone[:, :c]] = -1
         s.score[layer], s.seen[layer] = np.where(keep[:, :c], score[:, :c], 0), np.where(keep[:, :c], seen[:, :c], 0)
         kn, vn = k_new[r], v_new[r]
@@ -374,9 +390,9 @@ class EvictingKVCache(KVCacheBase):
     def evicted_at(self, seq_id) -> np.ndarray:
         """[L, Hkv, n]: the first query position that no longer saw each key (NEVER: still kept)."""
         s = lookup_sequence(self._seqs, seq_id)
-        if s.evicted_at is None:
+        if s.log is None:
             raise ConfigError("this cache was built with log=False, so it kept no eviction log")
-        return s.evicted_at.copy()
+        return s.log[..., : s.length].copy()
 
     def bytes_allocated(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self._seqs.values())

@@ -166,7 +166,8 @@ def _policy_args(policy) -> tuple[int, int]:
 
 
 class EvictingKVCache(_cpu.EvictingKVCache):
-    """``minikv.window.EvictingKVCache`` whose single-token decode steps run ``window_decode_v1``.
+    """``minikv.window.EvictingKVCache`` whose single-token decode steps run ``window_decode`` (v3, or v1 when the
+    policy needs each key's mass, as H2O does).
 
     Arguments as the NumPy class, plus ``runtime`` (a backend name or Runtime; None: the default).
     A step in which every sequence brings exactly one token is attended on the device: the slots of

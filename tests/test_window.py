@@ -181,7 +181,7 @@ def test_bad_options_raise_typed_errors():
 
 def test_a_failed_step_changes_nothing():
     model = random_model(dtype=np.float64, seed=11)
-    cache = make_cache("h2o", model, 8, eviction={"budget": 5, "recent": 2})
+    cache = make_cache("h2o", model, 8, eviction={"budget": 5, "recent": 2, "log": True})
     cache.add_sequence(0)
     model.forward([[1, 2, 3, 4, 5, 6, 7]], cache)
     before = [p.copy() for p in cache.kept_positions(0, 0)], cache.evicted_at(0)
@@ -204,3 +204,68 @@ def test_smollm2_policies_equal_their_masked_recompute(smollm2):
     for policy in (WindowPolicy(12, 4), H2OPolicy(12, 4), SnapKVPolicy(12, 4)):
         got, cache = run_cached(model, ids, policy, 20)
         assert_close(got, masked_recompute(model, ids, cache), np.float32, what=policy.name)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_in_cache_positions_handle_long_prompts_and_windows_up_to_the_rope_table(layout):
+    """Ranks of unseen keys never index the RoPE table; W may equal max_position, not exceed it."""
+    model = random_model(seed=6, max_position=24)
+    for prompt, window in ((30, 8), (5, 24)):
+        ev = {"window": window, "sinks": 2, "positions": "in-cache", "layout": layout}
+        res = generate(model, list(range(1, prompt + 1)), 20, cache="window", eviction=ev, block_size=4)
+        assert len(res.token_ids) == 20
+    with pytest.raises(ConfigError, match="max_position"):
+        make_cache("window", model, 8, eviction={"window": 25, "positions": "in-cache", "layout": layout})
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("positions", ["original", "in-cache"])
+def test_a_window_longer_than_the_text_equals_the_full_cache(layout, positions):
+    model = random_model(dtype=np.float64, seed=12)
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, 20)
+    cache = make_cache("window", model, 24, block_size=3,
+                       eviction={"window": 32, "sinks": 4, "positions": positions, "layout": layout})
+    cache.add_sequence(0)
+    got = np.concatenate([model.forward([ids[:7]], cache, all_logits=True)] +
+                         [model.forward([ids[t:t + 1]], cache) for t in range(7, ids.size)])
+    assert_close(got, model.logits(ids), np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_batched_step_equals_each_sequence_alone(name):
+    """Two sequences of different lengths share the contiguous cache's steps, prefill and decode."""
+    model = random_model(dtype=np.float64, seed=13)
+    rng = np.random.default_rng(6)
+    texts = [rng.integers(0, model.config.vocab_size, n) for n in (19, 12)]
+    cache = EvictingKVCache(**model.new_cache_args(), policy=POLICIES[name](), max_seqs=2, dtype=np.float64,
+                            rope=rope_of(model))
+    for sid in ("a", "b"):
+        cache.add_sequence(sid)
+    prefill = model.forward([texts[0][:11], texts[1][:6]], cache, ["a", "b"], all_logits=True)  # [17, V]
+    decode = [model.forward([texts[0][11 + t:12 + t], texts[1][6 + t:7 + t]], cache, ["a", "b"]) for t in range(6)]
+    alone = {sid: run_cached(model, text[:n + 6], POLICIES[name](), n)[0]
+             for sid, text, n in (("a", texts[0], 11), ("b", texts[1], 6))}
+    assert_close(prefill[:11], alone["a"][:11], np.float64)
+    assert_close(prefill[11:], alone["b"][:6], np.float64)
+    for t, step in enumerate(decode):
+        assert_close(step[0], alone["a"][11 + t], np.float64)
+        assert_close(step[1], alone["b"][6 + t], np.float64)
+
+
+def test_a_commit_without_every_layer_refuses_and_changes_nothing():
+    model = random_model(dtype=np.float64, seed=14)
+    for layout in ("contiguous", "paged"):
+        cache = make_cache("window", model, 16, block_size=4,
+                           eviction={"window": 6, "sinks": 1, "layout": layout, "log": True})
+        cache.add_sequence(0)
+        model.forward([[1, 2, 3, 4, 5, 6, 7]], cache)
+        before = cache.evicted_at(0), [p.copy() for p in cache.kept_positions(0, 0)]
+        with pytest.raises(InvalidInputError, match="layers"):
+            with cache.step([0], [1]):
+                k = np.zeros((1, model.config.num_kv_heads, model.config.head_dim))
+                cache.write(0, k, k)
+                cache.attend(0, np.zeros((1, model.config.num_heads, model.config.head_dim)))
+        assert cache.length(0) == 7
+        np.testing.assert_array_equal(cache.evicted_at(0), before[0])
+        model.forward([[8]], cache)  # the cache still works: the refused step was closed
+        assert cache.length(0) == 8
