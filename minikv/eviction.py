@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_choice, check_int
-from minikv.kv_cache import KVCacheBase
+from minikv.kv_cache import NoCache
 from minikv.layers import apply_rope
 from minikv.window import POSITIONS, Policy, WindowPolicy
 
@@ -176,13 +176,14 @@ def make_policy(kind: str, **options) -> Policy:
 # --- the exact reference --------------------------------------------------------------------------
 
 
-class MaskedRecompute(KVCacheBase):
+class MaskedRecompute(NoCache):
     """One forward over a whole text with the mask an evicting cache logged (one sequence, one step).
 
     evicted_at: [L, Hkv, n] from ``EvictingKVCache.evicted_at`` (``window.NEVER`` = kept);
     positions:  the cache's contract; ``in-cache`` needs ``rope`` = (cos, sin, layout) and makes the
                 model hand over pre-RoPE q and k, as with the cache.
-    Like ``NoCache`` it remembers nothing: feed it the n tokens the cache was fed, in one pass.
+    Like ``NoCache`` (whose storage it inherits) it remembers nothing: feed it the n tokens the cache
+    was fed, in one pass.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, evicted_at: np.ndarray,
@@ -196,27 +197,6 @@ class MaskedRecompute(KVCacheBase):
         if self.positions == "in-cache" and rope is None:
             raise ConfigError("positions='in-cache' needs rope=(cos, sin, layout) to rotate keys by rank")
         self.rope, self.rotates_in_cache = rope, self.positions == "in-cache"
-        self._kv: dict = {}
-
-    def add_sequence(self, seq_id) -> None:
-        pass
-
-    def free_sequence(self, seq_id) -> None:
-        pass
-
-    def length(self, seq_id) -> int:
-        return 0
-
-    def _commit(self, step) -> None:
-        self._kv.clear()
-
-    _rollback = _commit
-
-    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        self._check_layer(layer)
-        self._check_rows("k", k, self.num_kv_heads)
-        self._check_rows("v", v, self.num_kv_heads)
-        self._kv[layer] = (k, v)
 
     def mask(self, layer: int, n: int) -> np.ndarray:
         """[Hkv, n, n] bool: query t sees key k iff k <= t < evicted_at[layer, h, k]."""
@@ -227,10 +207,12 @@ class MaskedRecompute(KVCacheBase):
         return (k <= t)[None] & (t[None] < self.evicted_at[layer][:, None, :n])
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        step = self._require_step()
-        if len(step.seq_ids) != 1 or step.past[0] != 0:
+        step = self._check_query(layer, q)
+        if len(step.seq_ids) != 1:
             raise InvalidInputError("MaskedRecompute runs one sequence's whole text in one step")
-        k, v = self._kv[layer]
+        k, v = self._k[layer], self._v[layer]
+        if k is None:
+            raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
         n, hq, d = q.shape
         hkv = self.num_kv_heads
         mask = self.mask(layer, n)                                            # [Hkv, n, n]

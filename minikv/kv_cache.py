@@ -191,6 +191,15 @@ class KVCacheBase:
         if a.dtype.kind != "f":
             raise DTypeError(f"{name}.dtype={a.dtype}; pass floating-point activations")
 
+    def _check_query(self, layer: int, q) -> Step:
+        """Validate ``attend(layer, q)``: a layer in range, an open step, q: [N, Hq, D]. Returns the step."""
+        self._check_layer(layer)
+        step = self._require_step()
+        if getattr(q, "ndim", None) != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
+            raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, Hq, "
+                             f"D={self.head_dim}]")
+        return step
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer={layer} out of range [0, {self.num_layers})")
@@ -352,10 +361,7 @@ class ContiguousKVCache(KVCacheBase):
             self.v[layer, slot, :, p:p + t] = v[r].transpose(1, 0, 2)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        self._check_layer(layer)
-        step = self._require_step()
-        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
-            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        step = self._check_query(layer, q)
         out = np.empty_like(q)
         for i, sid in enumerate(step.seq_ids):
             slot, r = self._slot[sid], step.rows(i)

@@ -244,10 +244,7 @@ class PagedKVCache(KVCacheBase):
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Paged attention of the step's queries (q: [N, Hq, D]) over each sequence's blocks -> [N, Hq, D]."""
-        self._check_layer(layer)
-        step = self._require_step()
-        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
-            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        step = self._check_query(layer, q)
         return paged_attention(q, self.k_pool[layer], self.v_pool[layer], self._step_tables,
                                step.past + step.num_new, step.num_new, self.blocks_per_tile)
 

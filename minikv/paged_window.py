@@ -44,7 +44,7 @@ import copy
 import numpy as np
 
 from minikv.block_manager import HOLE
-from minikv.errors import ConfigError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, InvalidInputError
 from minikv.paged import PagedKVCache, default_blocks_per_tile, num_blocks_for
 from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots, check_rope_table
 
@@ -155,10 +155,7 @@ class PagedEvictingKVCache(PagedKVCache):
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Attention of the step's queries (q: [N, Hq, D]) over each sequence's alive keys -> [N, Hq, D]."""
-        self._check_layer(layer)
-        step = self._require_step()
-        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
-            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        step = self._check_query(layer, q)
         out = np.empty_like(q)
         self._attended.add(layer)
         for i, sid in enumerate(step.seq_ids):

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minikv import quant_codecs
-from minikv.errors import ConfigError, ShapeError
+from minikv.errors import ConfigError
 from minikv.kv_cache import Step
 from minikv.paged import PagedKVCache, paged_attention, query_positions
 from minikv.quant_codecs import CODECS, Codec, codec  # noqa: F401  (the codecs, re-exported)
@@ -335,10 +335,7 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Paged attention with per-tile dequantization (q: [N, Hq, D] -> [N, Hq, D])."""
-        self._check_layer(layer)
-        step = self._require_step()
-        if q.ndim != 3 or q.shape[0] != step.num_tokens or q.shape[2] != self.head_dim:
-            raise ShapeError(f"q.shape={q.shape}, expected [N={step.num_tokens}, Hq, D={self.head_dim}]")
+        self._check_query(layer, q)
         return quantized_paged_attention(q, *self.pools(layer), *self._views, self.blocks_per_tile)
 
     # -- inspection ---------------------------------------------------------------------------------

@@ -293,8 +293,7 @@ class EvictingKVCache(KVCacheBase):
         self._stash[layer] = (k.astype(self.dtype), v.astype(self.dtype), {})
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        self._check_layer(layer)
-        step = self._require_step()
+        step = self._check_query(layer, q)
         if layer not in self._stash:
             raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
         k_new, v_new, masses = self._stash[layer]
