@@ -95,6 +95,20 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Sum every score sc[u][g] over the LANES lanes of a subgroup (LANES a power of two <= 32; the warp's
+// lanes l and l ^ off, off < LANES, share a subgroup). All 32 lanes must call it: no barrier, shuffles only.
+template <int LANES, int U, int G>
+__device__ __forceinline__ void subgroup_sum(float (&sc)[U][G]) {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
+        }
+    }
+}
+
 // Reduce over the whole block (max if is_max, else sum); every thread gets the result.
 // scratch: 32 floats of shared memory. Two barriers; all threads of the block must call it.
 __device__ float block_reduce(float v, float* scratch, bool is_max) {

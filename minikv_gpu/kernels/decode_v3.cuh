@@ -118,14 +118,7 @@ __device__ __forceinline__ void step(const cache_t* k, const cache_t* v, const R
             sc[u][g] = dot;
         }
     }
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) {  // sum over the subgroup's lanes (all lanes call it)
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
-        }
-    }
+    subgroup_sum<LANES>(sc);  // sum over the subgroup's lanes (all lanes call it)
     float p[UNROLL][G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {

@@ -193,14 +193,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                 }
             }
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-                for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
-            }
-        }
+        subgroup_sum<32>(sc);
         float p[UNROLL][G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {

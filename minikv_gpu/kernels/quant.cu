@@ -320,14 +320,7 @@ __device__ __forceinline__ void step(const Rows& rows, int key0, int k_end, int 
             sc[u][g] = dot;
         }
     }
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
-        }
-    }
+    subgroup_sum<LANES>(sc);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float mx = s.m[g];
