@@ -247,3 +247,33 @@ def test_a_group_the_shape_refuses_is_one_line(capsys, checkpoint_dir, tmp_path)
     assert main(["perplexity", "--ids-file", str(ids), "--kv-dtype", "int8", "--model", checkpoint_dir]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "head_dim=8" in err[0] and "kv_dtype='int8'" in err[0]
+
+
+def test_perplexity_through_an_eviction_cache_reports_the_error_and_the_curve(capsys, checkpoint_dir, tmp_path):
+    from minikv.cli import common
+    from minikv.generate import make_cache
+    from minikv.perplexity import perplexity_vs_exact
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 60 + 1) for i in range(30)))
+    curve = tmp_path / "nll.json"
+    argv = ["perplexity", "--ids-file", str(ids), "--prefill", "3", "--json", "--model", checkpoint_dir]
+    assert main([*argv, "--cache", "window", "--window", "8", "--sinks", "2", "--nll-file", str(curve)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    assert r["eviction"] == {"policy": "window", "positions": "original", "window": 8, "sinks": 2}
+    assert "against the plain window cache" in out[-2] and "nll_curve" not in r
+    model = common._load_checkpoint(checkpoint_dir)
+    want = perplexity_vs_exact(model, [i % 60 + 1 for i in range(30)], lambda m, n: make_cache(
+        "window", m, max_len=n, eviction={"window": 8, "sinks": 2}), prefill=3, curve=True)
+    for key in ("kld_vs_exact", "top1_vs_exact", "delta_ppl", "ppl", "ppl_exact"):
+        assert r[key] == pytest.approx(want[key], rel=1e-12), key
+    assert r["kld_vs_exact"] > 0
+    saved = json.loads(curve.read_text())
+    assert saved["nll"] == pytest.approx(want["nll_curve"]["lossy"]) and len(saved["nll_exact"]) == 29
+    assert saved["eviction"]["policy"] == "window"
+    for bad, flag in ((["--cache", "h2o", "--window", "8"], "--window"), (["--cache", "window"], "window"),
+                      (["--cache", "paged", "--budget", "4"], "--budget"), (["--nll-file", str(curve)], "--nll-file")):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0], err

@@ -279,8 +279,19 @@ def eviction_options(args) -> dict | None:
             flag = "--" + sorted(given)[0].replace("_", "-")
             raise InvalidInputError(f"{flag} applies to --cache window, h2o or snapkv, not --cache {args.cache}")
         return None
+    from minikv.eviction import POLICY_OPTIONS, REQUIRED
+
     if "h2o_score" in given:
         given["score"] = given.pop("h2o_score")
+    flag = {"score": "--h2o-score"}
+    for key in sorted(set(given) - set(POLICY_OPTIONS[args.cache]) - {"layout"}):
+        owner = [k for k, opts in POLICY_OPTIONS.items() if key in opts]
+        raise InvalidInputError(f"{flag.get(key, '--' + key.replace('_', '-'))} applies to --cache "
+                                f"{' or '.join(owner)}, not --cache {args.cache}")
+    need = REQUIRED[args.cache]
+    if need not in given:
+        raise InvalidInputError(f"--cache {args.cache} needs --{need} N: the keys it keeps per layer and KV head, "
+                                f"e.g. --{need} 128")
     return given
 
 
