@@ -21,6 +21,9 @@ and ``gpu_check.md`` are rewritten after every stage, so a run cut short keeps w
    MLA: absorbed decode at DeepSeek-V3's shapes (128 heads, latent 512 + 64, float16 cache, a few
    contexts; ``gpu_check_mla.py``): checked against ``minikv.mla``, bytes read per token, achieved
    bandwidth against the copy and the multiply-add rate;
+   window (``gpu_check_window.py``): step 6's ``window_decode`` over a wrapped ring (B=64, W=4096 slots,
+   4 sinks, 32/8 heads, D=128, float16 slots): v1, v3, v1 with the mass (H2O) and v3 with in-cache
+   rotation, checked against ``minikv.window`` on two sequences, timed, GB/s against the copy;
 5. sanitizer: ``compute-sanitizer`` memcheck and racecheck over a few GPU tests, if the tool exists
    and the time budget allows (``OUTDIR/sanitizer.log``);
 6. tests, last (the long stage): ``pytest -m gpu tests/gpu``, the kernel tests on CuPy plus full
@@ -65,6 +68,8 @@ from gpu_check_mla import run_mla  # noqa: E402
 from gpu_check_paged import time_paged_decode_attention  # noqa: E402
 from gpu_check_quant import run_quant  # noqa: E402
 from gpu_check_report import format_markdown, goal_summary, row_ratios, write_report  # noqa: E402
+from gpu_check_window import errors as window_errors  # noqa: E402
+from gpu_check_window import run_window  # noqa: E402
 
 from minikv.errors import BackendUnavailableError  # noqa: E402
 from minikv_gpu import runtime  # noqa: E402
@@ -282,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     rep["mla"] = run.stage("mla", lambda: run_mla(rt, timer, rep["copy"].get("gb_per_s", float("nan")), smoke),
                            need_s=0 if smoke else 90) or []
     rep["errors"] += [f"mla {c['case']}: {c['error']}" for c in rep["mla"] if "error" in c]
+    rep["window"] = run.stage("window", lambda: run_window(rt, smoke, timer, rep["copy"].get("gb_per_s", float("nan"))),
+                              need_s=0 if smoke else 40) or {"status": "not run"}
+    rep["errors"] += window_errors(rep["window"])
     # the sanitizer only where it leaves the tests at least 150 s; it gets at most 100 s itself
     rep["sanitizer"] = run.stage("sanitizer", lambda: run_sanitizer(args.outdir, min(100.0, run.left() - 150), smoke),
                                  need_s=0 if smoke else 200) or {"status": "not run", "reason": "budget"}

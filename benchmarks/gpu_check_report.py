@@ -176,10 +176,29 @@ def _md_mla(report: dict) -> list[str]:
     return lines
 
 
+def _md_window(report: dict) -> list[str]:
+    """The window-decode variants (gpu_check_window.py): time, GB/s, fraction of the copy, error against NumPy."""
+    res = report.get("window") or {}
+    if "case" not in res:
+        return []
+    c = res["case"]
+    lines = ["", f"## window decode ({c['name']}, S={c['sinks']} sinks, {c['num_heads']}/{c['num_kv_heads']} heads, "
+                 f"D={c['head_dim']}, {c['dtype']} slots; kernel alone)", "",
+             "| variant | us | GB/s | of copy | rel err | note |", "|---|---|---|---|---|---|"]
+    for name in ("v1", "v3", "v1_mass", "v3_rope"):
+        e = res.get(name, {})
+        if "median_ms" not in e:
+            lines.append(f"| {name} | - | - | - | - | {e.get('error', 'not run')[:120]} |")
+            continue
+        lines.append(f"| {name} | {_fmt(e['median_ms'] * 1e3, '.1f')} | {_fmt(e['gb_per_s'], '.0f')} | "
+                     f"{_fmt(e['of_copy'], '.1%')} | {_fmt(e['rel_err'], '.1e')} | {e['method']} |")
+    return lines
+
+
 def format_markdown(report: dict) -> str:
     """The human-readable summary (also written to gpu_check.md)."""
     lines = _md_head(report) + _md_attention(report) + _md_sweep(report) + _md_paged(report) + _md_sdpa(report)
-    lines += _md_mla(report)
+    lines += _md_mla(report) + _md_window(report)
     lines += ["", "stages: " + ", ".join(f"{k} {v.get('status')} {v.get('seconds', '')}"
                                          for k, v in report.get("stages", {}).items())]
     if report.get("errors"):

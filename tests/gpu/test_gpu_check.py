@@ -47,7 +47,7 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is True and report["errors"] == []
     assert report["device"]["backend"] == "sim"
-    assert set(report["stages"]) >= {"device", "copy", "compare", "sanitizer", "tests"}
+    assert set(report["stages"]) >= {"device", "copy", "compare", "quant", "mla", "window", "sanitizer", "tests"}
     assert list(report["stages"])[-1] == "tests"  # the long stage runs last
     assert all(s["status"] == "done" for s in report["stages"].values()), report["stages"]
     assert report["tests"]["status"] == "passed" and "1 passed" in report["tests"]["summary"]
@@ -71,11 +71,15 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
             assert sdpa["backends"]["default"]["rel_err_vs_ours"] <= 1e-2  # float16 q and out
         ratios = row["ratios"]
         assert ratios["v3_of_copy"] > 0 and ratios["paged_v3_vs_v1"] > 0 and ratios["v3_vs_best_sdpa"] > 0
+    window = report["window"]  # step 6: every variant checked against minikv.window, then timed
+    for variant in ("v1", "v3", "v1_mass", "v3_rope"):
+        assert window[variant]["rel_err"] <= 1e-4 and window[variant]["median_ms"] > 0, window[variant]
+    assert window["v1_mass"]["mass_rel_err"] <= 1e-4 and window["visible_keys"] > 0
     goal = report["goal"]
     assert goal["met"] is None and goal["v3_of_copy"] > 0 and goal["targets"]["v3_of_copy"] == 0.85
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| smoke gqa3 |" in md and "device-to-device copy" in md and "## paged decode attention" in md
-    assert "goal (" in md and "## torch SDPA backends" in md
+    assert "goal (" in md and "## torch SDPA backends" in md and "## window decode" in md
     out = capsys.readouterr().out.rstrip()
     assert out.endswith(" s") and "gpu_check.md" in out.splitlines()[-1]
     print(f"sim smoke: {report['seconds']:.1f} s")  # must stay fast: CI runs it
