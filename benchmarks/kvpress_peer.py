@@ -127,7 +127,7 @@ def continuation(model, ids: torch.Tensor, context: int, cache, last_logits, ste
     return nll, math.exp(sum(nll) / len(nll))
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--ids-file", required=True)
@@ -138,31 +138,11 @@ def main():
     ap.add_argument("--check-stepwise", action="store_true",
                     help="also decode token by token and record the max |NLL difference| vs the one-forward run")
     ap.add_argument("--threads", type=int, default=0)
-    a = ap.parse_args()
-    hf_logging.disable_progress_bar()  # the GGUF de-quantization and weight-loading bars
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
+    return ap.parse_args()
 
-    ids_list = json.load(open(a.ids_file))["ids"]
-    ids = torch.tensor([ids_list], dtype=torch.long)
-    assert a.context < ids.shape[1], "need tokens after the context"
-    t0 = time.time()
-    models = {attn: load(a.gguf, attn) for attn in ("sdpa", "eager")}
-    cfg = models["sdpa"].config
-    print(f"loaded {type(models['sdpa']).__name__}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads,"
-          f" {cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim} ({time.time() - t0:.1f}s)", flush=True)
 
-    res = {
-        "kvpress": md.version("kvpress"), "transformers": md.version("transformers"), "torch": torch.__version__,
-        "model": os.path.basename(a.gguf), "context": a.context, "n_tokens": ids.shape[1],
-        "n_predictions": ids.shape[1] - a.context, "nll_positions": [a.context - 1, ids.shape[1] - 2],
-        "kept_note": "kept = sorted(scores.topk(n_kept).indices) of the press's own scores, verified "
-                     "bit-exact against the compressed cache kvpress wrote; cache_order = the order kvpress "
-                     "stores them in (topk order)",
-        "presses": {}, "checks": {},
-    }
-
+def run_baselines(models, ids, a, res) -> None:
+    """The full cache under both attention implementations (eager's is a check)."""
     for attn in ("sdpa", "eager"):
         cache, last = prefill(models[attn], ids, a.context)
         nll, ppl = continuation(models[attn], ids, a.context, cache, last)
@@ -170,37 +150,40 @@ def main():
         (res if attn == "sdpa" else res["checks"])[key] = {"attn_implementation": attn, "nll": nll, "ppl": ppl}
         print(f"{key:24s} ppl {ppl:.4f}", flush=True)
 
-    for name, (cls, attn) in PRESSES.items():
-        t1 = time.time()
-        press = cls(compression_ratio=a.ratio)
-        params = dataclasses.asdict(press)
-        rec = Recorder(press)
-        cache, last = prefill(models[attn], ids, a.context, press)
-        lens = {cache.layers[i].keys.shape[2] for i in range(len(cache.layers))}
-        assert len(rec.kept) == cfg.num_hidden_layers, "press did not run on every layer"
-        nll, ppl = continuation(models[attn], ids, a.context, cache, last)
-        entry = {
-            "params": params, "attn_implementation": attn,
-            "n_kept": compute_n_kept(a.context, a.ratio), "cache_len_after_prefill": sorted(lens),
-            "kept": [rec.kept[i].tolist() for i in range(cfg.num_hidden_layers)],
-            "cache_order": [rec.cache_order[i].tolist() for i in range(cfg.num_hidden_layers)],
-            "nll": nll, "ppl": ppl,
-        }
-        if not a.no_scores:
-            entry["scores"] = [rec.scores[i][0].tolist() for i in range(cfg.num_hidden_layers)]
-        res["presses"][name] = entry
-        print(f"{name:24s} ppl {ppl:.4f}  params {params}  cache len {sorted(lens)}  ({time.time() - t1:.1f}s)",
-              flush=True)
 
-        if a.check_stepwise:
-            cache2, last2 = prefill(models[attn], ids, a.context, cls(compression_ratio=a.ratio))
-            nll2, _ = continuation(models[attn], ids, a.context, cache2, last2, stepwise=True)
-            d = max(abs(x - y) for x, y in zip(nll, nll2))
-            res["checks"][f"{name}_stepwise_max_abs_nll_diff"] = d
-            print(f"  stepwise decode vs one forward: max |dNLL| = {d:.3g}", flush=True)
+def run_press(models, ids, a, name, cls, attn, layers: int, res) -> None:
+    """One press: compress at prefill, record what it kept, continue teacher-forced."""
+    t1 = time.time()
+    press = cls(compression_ratio=a.ratio)
+    params = dataclasses.asdict(press)
+    rec = Recorder(press)
+    cache, last = prefill(models[attn], ids, a.context, press)
+    lens = {cache.layers[i].keys.shape[2] for i in range(len(cache.layers))}
+    assert len(rec.kept) == layers, "press did not run on every layer"
+    nll, ppl = continuation(models[attn], ids, a.context, cache, last)
+    entry = {
+        "params": params, "attn_implementation": attn,
+        "n_kept": compute_n_kept(a.context, a.ratio), "cache_len_after_prefill": sorted(lens),
+        "kept": [rec.kept[i].tolist() for i in range(layers)],
+        "cache_order": [rec.cache_order[i].tolist() for i in range(layers)],
+        "nll": nll, "ppl": ppl,
+    }
+    if not a.no_scores:
+        entry["scores"] = [rec.scores[i][0].tolist() for i in range(layers)]
+    res["presses"][name] = entry
+    print(f"{name:24s} ppl {ppl:.4f}  params {params}  cache len {sorted(lens)}  ({time.time() - t1:.1f}s)",
+          flush=True)
+    if a.check_stepwise:
+        cache2, last2 = prefill(models[attn], ids, a.context, cls(compression_ratio=a.ratio))
+        nll2, _ = continuation(models[attn], ids, a.context, cache2, last2, stepwise=True)
+        d = max(abs(x - y) for x, y in zip(nll, nll2))
+        res["checks"][f"{name}_stepwise_max_abs_nll_diff"] = d
+        print(f"  stepwise decode vs one forward: max |dNLL| = {d:.3g}", flush=True)
 
-    # SnapKV also has a second code path: under eager attention it takes the window rows of the
-    # layer's own attention weights instead of recomputing them. Record whether both keep the same.
+
+def check_snapkv_eager(models, ids, a, cfg, res) -> None:
+    """SnapKV's second code path: under eager attention it takes the window rows of the layer's own
+    attention weights instead of recomputing them. Record whether both keep the same."""
     press = SnapKVPress(compression_ratio=a.ratio)
     rec = Recorder(press)
     cache, last = prefill(models["eager"], ids, a.context, press)
@@ -212,6 +195,33 @@ def main():
     print(f"{'SnapKVPress (eager path)':24s} ppl {ppl:.4f}  kept sets differ from sdpa path in {diff} entries",
           flush=True)
 
+
+def main():
+    a = parse_args()
+    hf_logging.disable_progress_bar()  # the GGUF de-quantization and weight-loading bars
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    ids = torch.tensor([json.load(open(a.ids_file))["ids"]], dtype=torch.long)
+    assert a.context < ids.shape[1], "need tokens after the context"
+    t0 = time.time()
+    models = {attn: load(a.gguf, attn) for attn in ("sdpa", "eager")}
+    cfg = models["sdpa"].config
+    print(f"loaded {type(models['sdpa']).__name__}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads,"
+          f" {cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim} ({time.time() - t0:.1f}s)", flush=True)
+    res = {
+        "kvpress": md.version("kvpress"), "transformers": md.version("transformers"), "torch": torch.__version__,
+        "model": os.path.basename(a.gguf), "context": a.context, "n_tokens": ids.shape[1],
+        "n_predictions": ids.shape[1] - a.context, "nll_positions": [a.context - 1, ids.shape[1] - 2],
+        "kept_note": "kept = sorted(scores.topk(n_kept).indices) of the press's own scores, verified "
+                     "bit-exact against the compressed cache kvpress wrote; cache_order = the order kvpress "
+                     "stores them in (topk order)",
+        "presses": {}, "checks": {},
+    }
+    run_baselines(models, ids, a, res)
+    for name, (cls, attn) in PRESSES.items():
+        run_press(models, ids, a, name, cls, attn, cfg.num_hidden_layers, res)
+    check_snapkv_eager(models, ids, a, cfg, res)
     res["wall_s"] = time.time() - t0
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
