@@ -8,6 +8,7 @@ blocks through a block table. These tests show the difference with step 1's
 """
 
 import numpy as np
+import pytest
 
 from minikv.attention import causal_attention, softmax
 
@@ -90,3 +91,198 @@ def test_block_by_block_softmax_merge_equals_full_attention():
     # the seed's version: softmax over the last block only
     last = softmax(q @ kq[:, 3 * BLOCK:].transpose(0, 2, 1) / np.sqrt(D)) @ vq[:, 3 * BLOCK:]
     assert np.max(np.abs(last - causal_attention(q, k, v))) > 0.1
+
+
+# --- seed claims 22-39 (docs/claims.md): each test decides one claim with minikv ----------------
+
+def test_seed_deepseek_7b_weights_are_about_14_gb():
+    from minikv.costs import get_preset, param_count, weights_bytes
+
+    shape = get_preset("deepseek-7b")
+    assert param_count(shape)["total"] == 6_910_365_696
+    assert weights_bytes(shape, "fp16") == 13_820_731_392  # 13.8 GB, 12.9 GiB: "about 14 GB" in GB
+
+
+def test_seed_llama_7b_cannot_fit_in_9_gb_in_fp16():
+    from minikv.costs import get_preset, kv_bytes_per_token, weights_bytes
+
+    llama = get_preset("llama2-7b")
+    assert weights_bytes(llama, "fp16") == 13_476_831_232 > 9e9  # the weights alone exceed the claimed 9 GB
+    assert kv_bytes_per_token(llama) == 524_288  # and the cache adds, never subtracts
+
+
+def test_seed_deepseek_7b_fits_32k_in_memory_but_was_trained_for_4k():
+    from minikv.costs import get_preset, kv_cache_bytes, weights_bytes
+
+    ds = get_preset("deepseek-7b")
+    w = weights_bytes(ds, "fp16")
+    assert w + kv_cache_bytes(ds, prompt_len=32768) == 29_926_858_752  # < 64 GB: one card
+    assert w + kv_cache_bytes(ds, prompt_len=131072) == 78_245_240_832  # > 64 GB, < 128 GB: two cards
+    assert ds.max_context == 4096  # but the model was trained for 4k tokens
+
+
+def test_seed_deepseek_v3_caches_576_values_not_128_wide_heads():
+    from minikv.costs import expanded_kv_values_per_token, get_preset, kv_values_per_token
+
+    v3 = get_preset("deepseek-v3")
+    assert (v3.head_dim, v3.rope_dim, v3.v_dim, v3.kv_lora_rank) == (128, 64, 128, 512)
+    assert kv_values_per_token(v3) == 61 * 576 == 35_136
+    assert expanded_kv_values_per_token(v3) == 61 * 128 * (192 + 128) == 2_498_560
+
+
+def test_seed_mla_cache_holds_the_latent_not_decompressed_kv():
+    from minikv.mla import LatentContiguousKVCache
+    from minikv.random_models import random_mla_model
+
+    model = random_mla_model(dtype=np.float64)
+    args = model.new_cache_args()
+    mla = args["mla"]
+    cache = LatentContiguousKVCache(**args, max_seqs=1, max_len=16, dtype=np.float64)
+    cache.add_sequence(0)
+    model.forward([np.arange(10) % model.config.vocab_size], cache)
+    assert cache.bytes_per_token() == args["num_layers"] * mla.latent_dim * 8  # one latent per layer
+    assert args["num_heads"] * (mla.qk_head_dim + mla.v_head_dim) > mla.latent_dim  # the diagram's K and V
+    assert cache.bytes_used() == 10 * cache.bytes_per_token()
+
+
+def test_seed_use_mla_cannot_turn_a_mha_checkpoint_into_mla():
+    from minikv.costs import get_preset
+
+    ds7, v3 = get_preset("deepseek-7b"), get_preset("deepseek-v3")
+    assert not ds7.is_mla and ds7.kv_lora_rank == 0 and ds7.attention_kind == "MHA"
+    assert v3.is_mla and v3.attention_kind == "MLA"
+
+
+def test_seed_pseudocode_transpose_breaks_multi_head_shapes():
+    rng = np.random.default_rng(0)
+    s, h, d = 5, 4, 8
+    k_cache, v_cache, q = rng.standard_normal((s, h, d)), rng.standard_normal((s, h, d)), rng.standard_normal((h, d))
+    assert k_cache.T.shape == (d, h, s)
+    with pytest.raises(ValueError):
+        q @ k_cache.T  # d != H: the seed's expression does not run
+    square = rng.standard_normal((s, d, d))  # H == d: it runs, and returns a [d, H, S] tensor, not [H, S] scores
+    assert (rng.standard_normal((d, d)) @ square.T).shape == (d, d, s)
+    scores = np.einsum("hd,shd->hs", q, k_cache) / np.sqrt(d)
+    p = softmax(scores)
+    out = np.einsum("hs,shd->hd", p, v_cache)
+    want = causal_attention(q[:, None], k_cache.transpose(1, 0, 2), v_cache.transpose(1, 0, 2))[:, 0]
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_seed_every_layer_keeps_its_own_cache():
+    from minikv.kv_cache import ContiguousKVCache
+
+    geo = dict(num_kv_heads=2, head_dim=8, max_seqs=1, max_len=64)
+    one = ContiguousKVCache(num_layers=1, **geo).bytes_allocated()
+    assert ContiguousKVCache(num_layers=30, **geo).bytes_allocated() == 30 * one
+
+
+def test_seed_past_queries_are_not_needed_for_the_next_token():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 12, 8)) for _ in range(3))
+    np.testing.assert_allclose(causal_attention(q, k, v)[:, -1:], causal_attention(q[:, -1:], k, v),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_seed_cached_equals_uncached_up_to_rounding():
+    from minikv.kv_cache import ContiguousKVCache, NoCache
+    from minikv.model import random_model
+
+    m = random_model(dtype=np.float64)
+    ids = np.arange(20) % m.config.vocab_size
+    full = m.forward([ids], NoCache(**m.new_cache_args(), dtype=np.float64), all_logits=True)
+    cache = ContiguousKVCache(**m.new_cache_args(), max_seqs=1, max_len=32, dtype=np.float64)
+    cache.add_sequence(0)
+    steps = [m.forward([ids[:8]], cache)] + [m.forward([[t]], cache) for t in ids[8:]]
+    assert np.abs(np.concatenate(steps) - full[7:]).max() < 1e-12
+
+
+def test_seed_saved_flops_grow_with_t_and_l():
+    from minikv.costs import decode_flops, get_preset, recompute_flops
+
+    def saved(shape, t):
+        return recompute_flops(shape, t)["total"] - decode_flops(shape, t)["total"]
+
+    llama = get_preset("llama2-7b")
+    assert saved(llama, 100) == 2 * saved(llama.replace(num_layers=16), 100)
+    assert saved(llama, 100) < saved(llama, 200) < saved(llama, 300)
+    assert saved(llama, 100) // 32 == 40_151_384_064
+    assert saved(llama, 100) // 32 > 6 * (99 * 2 * (2 * 4096 * 4096))  # more than the past tokens' K and V
+
+
+def test_seed_no_cache_recomputes_every_past_k_and_v():
+    from minikv.costs import generation_flops, get_preset
+
+    llama = get_preset("llama2-7b")
+    ratio = generation_flops(llama, 1, 1000, cache=False) / generation_flops(llama, 1, 1000, cache=True)
+    assert 487 < ratio < 488
+
+
+def test_seed_paged_memory_grows_with_the_sequence():
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    m = random_model()
+    cache = PagedKVCache(**m.new_cache_args(), num_blocks=64, block_size=16)
+    cache.add_sequence(0)
+    held, n = [], 0
+    for chunk in (1, 15, 1, 83, 200):
+        m.forward([np.arange(chunk) % m.config.vocab_size], cache)
+        n += chunk
+        held.append((n, cache.num_blocks_held(0)))
+    assert held == [(1, 1), (16, 1), (17, 2), (100, 7), (300, 19)]
+
+
+def test_seed_paged_pool_has_no_external_fragmentation():
+    from minikv.block_allocator import BlockAllocator
+
+    pool = BlockAllocator(8, 16, enable_prefix_caching=False)
+    blocks = pool.allocate_many(8)
+    for b in blocks[::2]:
+        pool.decref(b)
+    assert pool.free_block_ids() == [0, 2, 4, 6]
+    assert pool.allocate_many(4) == [0, 2, 4, 6] and pool.num_free == 0
+
+
+def test_seed_paged_cache_shares_full_prefix_blocks():
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    m = random_model()
+    cache = PagedKVCache(**m.new_cache_args(), num_blocks=16, block_size=16)
+    a = [i % m.config.vocab_size for i in range(40)]
+    b = a[:32] + [7, 8, 9]
+    cache.add_sequence("a", a)
+    m.forward([a], cache, ["a"])
+    hit = cache.add_sequence("b", b)
+    m.forward([b[hit:]], cache, ["b"])
+    assert hit == 32
+    assert list(cache.block_table("a")) == [0, 1, 2] and list(cache.block_table("b")) == [0, 1, 3]
+    short = cache.add_sequence("c", a[:10] + [5])  # a shared prefix shorter than one block shares nothing
+    assert short == 0
+
+
+def test_seed_block_size_sets_the_internal_waste():
+    from minikv.block_allocator import num_blocks_for
+
+    lengths = [40, 90, 15, 120, 700, 33]
+    assert sum(num_blocks_for(n, 16) * 16 for n in lengths) == 1040
+    assert sum(num_blocks_for(n, 256) * 256 for n in lengths) == 2048
+
+
+def test_seed_contiguous_waste_and_the_paged_gain_at_32k():
+    from minikv.kv_cache import ContiguousKVCache
+    from minikv.paged import PagedKVCache
+
+    lengths, geo = [2000, 9000, 500, 12000], dict(num_layers=1, num_kv_heads=1, head_dim=1)
+    contiguous = ContiguousKVCache(**geo, max_seqs=4, max_len=32768)
+    paged = PagedKVCache(**geo, num_blocks=2048, block_size=16)
+    for i, n in enumerate(lengths):
+        for cache in (contiguous, paged):
+            cache.add_sequence(i)
+            with cache.step([i], [n]):
+                cache.write(0, np.zeros((n, 1, 1), np.float32), np.zeros((n, 1, 1), np.float32))
+    u_c = contiguous.bytes_used() / contiguous.bytes_allocated()
+    u_p = paged.memory_stats()["utilization"]
+    assert u_c == sum(lengths) / (4 * 32768) and 1 - u_c > 0.5  # claim 38: over 50% wasted
+    assert u_p == 23500 / 23520 and round(u_p / u_c, 1) == 5.6  # claim 39: the gain is 1 / U, here 5.6x
