@@ -36,6 +36,22 @@ _PRESET_LIST = (
                 "(32 layers, 32 query heads, 8 KV heads: GQA); Llama Team 2024, "
                 "'The Llama 3 Herd of Models', arXiv:2407.21783, Table 3")),
     ModelShape(
+        name="llama3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+        intermediate_size=28672, vocab_size=128256, max_context=131072, published_params=70_000_000_000,
+        source=("https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json (80 layers, hidden "
+                "8192, 64 query heads, 8 KV heads: GQA, head_dim 8192/64 = 128, intermediate 28672, vocab "
+                "128256, untied); Llama-3.1-70B's config.json has the same shapes with "
+                "max_position_embeddings 131072 (128k context; Llama-3-70B: 8192); Llama Team 2024, "
+                "'The Llama 3 Herd of Models', arXiv:2407.21783, Table 3")),
+    ModelShape(
+        name="llama3-405b", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,
+        intermediate_size=53248, vocab_size=128256, max_context=131072, published_params=405_000_000_000,
+        source=("https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json (126 layers, hidden "
+                "16384, 128 query heads, 8 KV heads: GQA, head_dim 16384/128 = 128, intermediate 53248, "
+                "vocab 128256, untied, max_position_embeddings 131072); Llama Team 2024, "
+                "'The Llama 3 Herd of Models', arXiv:2407.21783, Table 3 (405B: 126 layers, model "
+                "dimension 16384, FFN dimension 53248, 128 attention heads, 8 key/value heads)")),
+    ModelShape(
         name="deepseek-7b", num_layers=30, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
         intermediate_size=11008, vocab_size=102400, max_context=4096, published_params=7_000_000_000,
         source=("https://huggingface.co/deepseek-ai/deepseek-llm-7b-base/blob/main/config.json "
