@@ -272,13 +272,16 @@ def test_generation_flops_by_hand():
 
 def test_matmul_flops_are_twice_the_weights():
     """Two independent formulas agree: a token's projections + MLP do 2 FLOPs per weight it touches."""
-    for name in ("llama2-7b", "llama3-8b", "smollm2-135m", "deepseek-7b", "deepseek-v3"):
+    for name in ("llama2-7b", "llama3-8b", "smollm2-135m", "deepseek-7b", "deepseek-v3", "deepseek-v2-lite"):
         shape = get_preset(name)
-        f, p = decode_flops(shape, 1), param_count(shape, active=True)
-        if shape.is_mla:  # the absorbed form multiplies by W_UK and W_UV per token instead of expanding K and V
-            continue
-        assert f["projections"] + f["mlp"] == 2 * (p["attention"] + p["mlp"]), name
-        assert f["lm_head"] == 2 * shape.vocab_size * shape.hidden_size
+        p = param_count(shape, active=True)
+        # MLA's attention parameters include two RMSNorm scales per layer (q_a, kv_a), which do no matmul
+        norms = shape.num_layers * (shape.q_lora_rank + shape.kv_lora_rank)
+        # MLA: W_UK and W_UV run once per token in both forms (absorbed into the query and applied to the
+        # output at decode, or expanding the token's K and V at prefill), so both touch every weight once
+        for f in (decode_flops(shape, 1), recompute_flops(shape, 1)):
+            assert f["projections"] + f["mlp"] == 2 * (p["attention"] - norms + p["mlp"]), name
+            assert f["lm_head"] == 2 * shape.vocab_size * shape.hidden_size
 
 
 def test_deepseek_v3_flops_by_hand():
@@ -296,6 +299,73 @@ def test_deepseek_v3_flops_by_hand():
     assert f["scores"] == 61 * 2 * hq * (r + dr) * 1000
     assert f["weighted_v"] == 61 * 2 * hq * r * 1000
     assert f["mlp"] == 3 * dense + 58 * moe
+
+
+# --- MLA: decode absorbed, prefill and no-cache recompute expanded ------------------------------------
+
+# a pencil-sized MLA shape: R = 6, P = 2, Dn = 3, Dv = 4, 2 heads, hidden 8, no query compression
+TINY_MLA = ModelShape("tiny-mla", num_layers=2, hidden_size=8, num_heads=2, head_dim=3, rope_dim=2, v_head_dim=4,
+                      kv_lora_rank=6, intermediate_size=16, vocab_size=10)
+MLA_BASE = 2 * 8 * 2 * (3 + 2) + 2 * 8 * (6 + 2) + 2 * 2 * 4 * 8  # q 160, down to latent + RoPE key 128, o 128
+MLA_UP = 2 * 2 * 6 * (3 + 4)  # one pass through W_UK and W_UV for both heads: 2 Hq R (Dn + Dv) = 168
+MLA_EXP_SCORE, MLA_EXP_V = 2 * 2 * (3 + 2), 2 * 2 * 4  # per key, expanded: 2 Hq (Dn + P), 2 Hq Dv
+MLA_ABS_SCORE, MLA_ABS_V = 2 * 2 * (6 + 2), 2 * 2 * 6  # per key, absorbed: 2 Hq (R + P), 2 Hq R
+
+
+def test_mla_decode_is_absorbed_by_hand():
+    # one token after 5 cached sees 6 latent rows; W_UK folds into its query and W_UV maps its result
+    f = layer_flops(TINY_MLA, 0, num_tokens=1, past=5)
+    assert f == {"projections": MLA_BASE + MLA_UP, "scores": 6 * MLA_ABS_SCORE, "weighted_v": 6 * MLA_ABS_V,
+                 "mlp": 2 * 3 * 8 * 16, "total": MLA_BASE + MLA_UP + 6 * (32 + 24) + 768}
+
+
+def test_mla_prefill_is_expanded_by_hand():
+    # 4 tokens, nothing cached: each token's K and V are built once, keys 1 + 2 + 3 + 4 = 10 at per-head dims
+    f = layer_flops(TINY_MLA, 0, num_tokens=4, past=0)
+    assert f["projections"] == 4 * (MLA_BASE + MLA_UP)
+    assert (f["scores"], f["weighted_v"]) == (10 * MLA_EXP_SCORE, 10 * MLA_EXP_V) == (200, 160)
+    # a prefill chunk of 3 after 5 cached: its own 1 + 2 + 3 = 6 keys expanded, the 3 x 5 = 15 cached ones
+    # absorbed (as minikv.mla.latent_attention runs it); the 3 queries also pay W_UK / W_UV for the absorbed part
+    f = layer_flops(TINY_MLA, 0, num_tokens=3, past=5)
+    assert f["projections"] == 3 * MLA_BASE + 3 * MLA_UP + 3 * MLA_UP
+    assert f["scores"] == 6 * MLA_EXP_SCORE + 15 * MLA_ABS_SCORE
+    assert f["weighted_v"] == 6 * MLA_EXP_V + 15 * MLA_ABS_V
+    # forced forms: expanded rebuilds all 6 rows for one decode token; absorbed scores a prefill's 10 keys as latents
+    f = layer_flops(TINY_MLA, 0, 1, 5, mla_form="expanded")
+    assert (f["projections"], f["scores"]) == (MLA_BASE + 6 * MLA_UP, 6 * MLA_EXP_SCORE)
+    f = layer_flops(TINY_MLA, 0, 4, 0, mla_form="absorbed")
+    assert (f["projections"], f["scores"], f["weighted_v"]) == (4 * (MLA_BASE + MLA_UP), 10 * 32, 10 * 24)
+    with pytest.raises(InvalidInputError, match="mla_form"):
+        forward_flops(TINY_MLA, 4, mla_form="latent")
+
+
+def test_mla_recompute_and_generation_by_hand():
+    # without a cache every pass is a prefill, expanded even for one token; with it, a 1-token pass is absorbed
+    assert recompute_flops(TINY_MLA, 1)["scores"] == 2 * MLA_EXP_SCORE  # 2 layers x 1 key
+    assert decode_flops(TINY_MLA, 1)["scores"] == 2 * MLA_ABS_SCORE
+    layer_token = MLA_BASE + MLA_UP + 2 * 3 * 8 * 16
+    exp_key, abs_key = MLA_EXP_SCORE + MLA_EXP_V, MLA_ABS_SCORE + MLA_ABS_V  # 36, 56
+    # prompt 3, 4 new tokens: prefill 3 (keys 6, expanded), decode at contexts 4, 5, 6 (keys 15, absorbed)
+    cached = 2 * ((3 + 3) * layer_token + 6 * exp_key + 15 * abs_key) + 4 * 2 * 8 * 10
+    assert generation_flops(TINY_MLA, 3, 4, cache=True) == cached == 18976
+    # no cache: passes over 3, 4, 5, 6 tokens, keys 6 + 10 + 15 + 21 = 52, all expanded
+    uncached = 2 * ((3 + 4 + 5 + 6) * layer_token + 52 * exp_key) + 4 * 2 * 8 * 10
+    assert generation_flops(TINY_MLA, 3, 4, cache=False) == uncached == 53056
+
+
+def test_deepseek_v3_prefill_attention_is_expanded():
+    v3 = get_preset("deepseek-v3")
+    hq, r, dr, dn, dv, n = 128, 512, 64, 128, 128, 4096
+    keys = n * (n + 1) // 2
+    f = recompute_flops(v3, n)
+    assert f["scores"] == 61 * 2 * hq * (dn + dr) * keys
+    assert f["weighted_v"] == 61 * 2 * hq * dv * keys
+    # the absorbed count, which the no-cache column used before: (576 + 512) / (192 + 128) = 3.4x the attention
+    a = forward_flops(v3, n, mla_form="absorbed")
+    assert a["scores"] == 61 * 2 * hq * (r + dr) * keys
+    ratio = Fraction(a["scores"] + a["weighted_v"], f["scores"] + f["weighted_v"])
+    assert ratio == Fraction(1088, 320) == Fraction(17, 5)  # 3.4x
+    assert a["projections"] == f["projections"]  # W_UK / W_UV once per token either way
 
 
 def test_deepseek_v3_params_match_the_published_671b():

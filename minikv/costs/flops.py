@@ -17,6 +17,14 @@ prefix again: t + 1 tokens through every projection and MLP, plus causal
 attention of every prefix position over its own prefix. With a cache only the
 newest token runs. ``generation_flops`` and ``cache_speedup`` turn that into the
 predicted speed-up that the step-2 notebook compares with a measured one.
+
+MLA (step 4) has two ways to attend, and the count follows the one that runs
+(``mla_form``, the rule of ``minikv.mla.latent_attention(form="auto")`` and of
+serving engines): a decode step (one new token) is *absorbed*, every query head
+scoring the cached R + P wide latent rows; a prefill (more than one new token)
+and every pass without a cache is *expanded*, building each head's K and V from
+the latent once per token and attending at Dn + P (scores) and Dv (values) per
+head, which is 3.4x fewer attention FLOPs per key for DeepSeek-V3's shapes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from minikv.costs.shape import ModelShape
 from minikv.errors import InvalidInputError, check_int
 
 FLOP_PARTS = ("projections", "scores", "weighted_v", "mlp")
+MLA_FORMS = ("auto", "absorbed", "expanded")
 
 
 def _attended_keys(num_tokens: int, past: int, dense_mask: bool) -> int:
@@ -41,16 +50,26 @@ def _attended_keys(num_tokens: int, past: int, dense_mask: bool) -> int:
 
 
 def _layer_rates(s: ModelShape, layer: int) -> dict:
-    """FLOPs of one layer per new token (projections, mlp) and per attended key (scores, weighted_v)."""
+    """FLOPs of one layer per new token (projections, mlp) and per attended key (scores, weighted_v).
+
+    MLA adds the absorbed form's per-key rates (``scores_latent``, ``weighted_v_latent``: keys
+    scored as cached latent rows) and ``latent_up``, the 2 Hq R (Dn + Dv) FLOPs of one pass
+    through W_UK and W_UV: paid per key row expanded into per-head K and V, or per query that
+    attends absorbed (W_UK folded into the query, W_UV applied to the latent result). For MLA
+    ``scores`` and ``weighted_v`` are the expanded form's rates; other shapes have no latent.
+    """
     h, hq = s.hidden_size, s.num_heads
+    latent = {"scores_latent": 0, "weighted_v_latent": 0, "latent_up": 0}
     if s.is_mla:
         r, dr, dn, dv = s.kv_lora_rank, s.rope_dim, s.head_dim, s.v_dim
         if s.q_lora_rank:
             q = 2 * h * s.q_lora_rank + 2 * s.q_lora_rank * hq * (dn + dr)
         else:
             q = 2 * h * hq * (dn + dr)
-        proj = q + 2 * h * (r + dr) + 2 * hq * dn * r + 2 * hq * r * dv + 2 * hq * dv * h
-        scores, weighted = 2 * hq * (r + dr), 2 * hq * r
+        proj = q + 2 * h * (r + dr) + 2 * hq * dv * h
+        scores, weighted = 2 * hq * (dn + dr), 2 * hq * dv
+        latent = {"scores_latent": 2 * hq * (r + dr), "weighted_v_latent": 2 * hq * r,
+                  "latent_up": 2 * hq * r * (dn + dv)}
     else:
         d, hkv = s.head_dim, s.num_kv_heads
         proj = 2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h
@@ -61,27 +80,52 @@ def _layer_rates(s: ModelShape, layer: int) -> dict:
         mlp = experts * 2 * mats * h * s.moe_intermediate_size + 2 * h * s.num_experts
     else:
         mlp = 2 * mats * h * s.intermediate_size
-    return {"projections": proj, "scores": scores, "weighted_v": weighted, "mlp": mlp}
+    return {"projections": proj, "scores": scores, "weighted_v": weighted, "mlp": mlp, **latent}
 
 
 def _model_rates(s: ModelShape) -> dict:
     """``_layer_rates`` summed over all layers."""
     s.need("hidden_size", "num_heads", "intermediate_size", "vocab_size", "head_dim", what="FLOPs")
-    total = dict.fromkeys(FLOP_PARTS, 0)
+    total = dict.fromkeys(FLOP_PARTS + ("scores_latent", "weighted_v_latent", "latent_up"), 0)
     for layer in range(s.num_layers):
         for k, v in _layer_rates(s, layer).items():
             total[k] += v
     return total
 
 
-def _combine(rates: dict, tokens: int, keys: int) -> dict:
-    """Rates x counts: projections and MLP scale with tokens, scores and weighted V with keys."""
-    return {"projections": rates["projections"] * tokens, "scores": rates["scores"] * keys,
-            "weighted_v": rates["weighted_v"] * keys, "mlp": rates["mlp"] * tokens}
+def _combine(rates: dict, tokens: int, past: int, dense_mask: bool, mla_form: str) -> dict:
+    """Rates x counts: projections and MLP scale with tokens, scores and weighted V with keys.
+
+    MLA splits the keys by form (``mla_form``, checked by the caller): "absorbed" scores every
+    key as a latent row; "expanded" builds per-head K and V for all past + tokens rows;
+    "auto" is absorbed for one new token (a decode step) and otherwise expanded over the
+    pass's own tokens and absorbed over the ``past`` cached before it, the rule of
+    ``minikv.mla.latent_attention(form="auto")``.
+    """
+    keys = _attended_keys(tokens, past, dense_mask)
+    if not rates["latent_up"]:  # no latent: every key is a per-head K/V key
+        latent_keys, built = 0, 0
+    elif mla_form == "absorbed" or (mla_form == "auto" and tokens == 1):
+        latent_keys, built = keys, 0
+    elif mla_form == "expanded":
+        latent_keys, built = 0, past + tokens
+    else:  # auto prefill: the pass's own tokens expanded, the history before it absorbed
+        latent_keys, built = tokens * past, tokens
+    absorbing_queries = tokens if latent_keys else 0
+    return {"projections": rates["projections"] * tokens + rates["latent_up"] * (built + absorbing_queries),
+            "scores": rates["scores"] * (keys - latent_keys) + rates["scores_latent"] * latent_keys,
+            "weighted_v": rates["weighted_v"] * (keys - latent_keys) + rates["weighted_v_latent"] * latent_keys,
+            "mlp": rates["mlp"] * tokens}
+
+
+def _check_form(mla_form: str) -> str:
+    if mla_form not in MLA_FORMS:
+        raise InvalidInputError(f"mla_form={mla_form!r}; use one of {MLA_FORMS}")
+    return mla_form
 
 
 def layer_flops(shape: ModelShape, layer: int = 0, num_tokens: int = 1, past: int = 0,
-                dense_mask: bool = False) -> dict:
+                dense_mask: bool = False, mla_form: str = "auto") -> dict:
     """FLOPs of one layer for ``num_tokens`` new tokens after ``past`` cached ones.
 
     Per new token (multiply-add = 2 FLOPs; H hidden, Hq/Hkv heads, D head_dim, I MLP width):
@@ -93,58 +137,79 @@ def layer_flops(shape: ModelShape, layer: int = 0, num_tokens: int = 1, past: in
 
     Query heads, not KV heads, set the attention cost: GQA shrinks the cache
     and the K/V projections but every query head still scores every key.
-    MLA is counted in its absorbed form (what a cached decode runs, step 4): the
-    query is mapped into latent space (2 Hq D r), scores are dot products with
-    the cached latent and RoPE key (2 Hq (r + dr) per key), the probabilities
-    weight the latent (2 Hq r per key), and the result goes up to V and out
-    (2 Hq r Dv + 2 Hq Dv H); plus the down-projections 2 H (r + dr) and the
-    query path.
+    MLA (step 4; R = kv_lora_rank, P = rope_dim, Dn = head_dim, Dv = v_head_dim)
+    counts the form that runs (``mla_form="auto"``):
+
+      * decode (one new token) is **absorbed**: the query
+        is mapped into latent space (2 Hq Dn R), scores are dot products with the
+        cached latent and RoPE key (2 Hq (R + P) per key), the probabilities
+        weight the latent (2 Hq R per key) and the result goes up to V
+        (2 Hq R Dv);
+      * a prefill (more than one new token) is **expanded**,
+        as real engines prefill: each new token's latent is decompressed into
+        per-head K and V once (2 Hq R (Dn + Dv)), scores cost 2 Hq (Dn + P) and
+        weighted V 2 Hq Dv per key, 3.4x fewer attention FLOPs per key than
+        absorbed for DeepSeek-V3 (1,088 against 320 multiply-adds per head).
+        History cached before a prefill chunk is read absorbed, as
+        ``minikv.mla.latent_attention`` does. A pass without a cache
+        (``recompute_flops``, ``generation_flops(cache=False)``) is a prefill
+        each time and is counted expanded throughout, even for one token, as
+        ``minikv.mla.LatentNoCache`` runs it.
+
+    Both add the query path, the down-projection 2 H (R + P) and the output
+    projection 2 Hq Dv H per token. ``mla_form="absorbed"`` or ``"expanded"``
+    forces one form for every key (expanded then rebuilds K and V for the
+    ``past`` rows too: 2 Hq R (Dn + Dv) each); other shapes ignore it.
     Returns ``{"projections", "scores", "weighted_v", "mlp", "total"}``.
     """
     shape.need("hidden_size", "num_heads", "intermediate_size", "head_dim", what="FLOPs")
     num_tokens = check_count("num_tokens", num_tokens, 1)
     past = check_count("past", past, 0)
     layer = check_int("layer", layer, minimum=0, maximum=shape.num_layers - 1, error=InvalidInputError)
-    out = _combine(_layer_rates(shape, layer), num_tokens, _attended_keys(num_tokens, past, dense_mask))
+    out = _combine(_layer_rates(shape, layer), num_tokens, past, dense_mask, _check_form(mla_form))
     out["total"] = sum(out.values())
     return out
 
 
 def _forward(rates: dict, shape: ModelShape, num_tokens: int, past: int, logit_rows: int,
-             dense_mask: bool) -> dict:
-    out = _combine(rates, num_tokens, _attended_keys(num_tokens, past, dense_mask))
+             dense_mask: bool, mla_form: str = "auto") -> dict:
+    out = _combine(rates, num_tokens, past, dense_mask, mla_form)
     out["lm_head"] = logit_rows * 2 * shape.hidden_size * shape.vocab_size
     out["total"] = sum(out.values())
     return out
 
 
 def forward_flops(shape: ModelShape, num_tokens: int, past: int = 0, logits: str = "last",
-                  dense_mask: bool = False) -> dict:
+                  dense_mask: bool = False, mla_form: str = "auto") -> dict:
     """FLOPs of one forward pass of one sequence: ``num_tokens`` new tokens after ``past`` cached.
 
     Sums ``layer_flops`` over the layers and adds the output head: 2 H V per
     token whose logits are computed (``logits="last"``: one, as generation
-    does; ``"all"``: every new token). Returns the parts of ``layer_flops``
-    plus ``"lm_head"`` and ``"total"``.
+    does; ``"all"``: every new token). ``mla_form`` as in ``layer_flops``
+    (MLA: decode absorbed, prefill expanded). Returns the parts of
+    ``layer_flops`` plus ``"lm_head"`` and ``"total"``.
     """
     if logits not in ("last", "all"):
         raise InvalidInputError(f"logits={logits!r}; use 'last' (one row, as generation does) or 'all'")
     num_tokens = check_count("num_tokens", num_tokens, 1)
     past = check_count("past", past, 0)
     rows = 1 if logits == "last" else num_tokens
-    return _forward(_model_rates(shape), shape, num_tokens, past, rows, dense_mask)
+    return _forward(_model_rates(shape), shape, num_tokens, past, rows, dense_mask, _check_form(mla_form))
 
 
 def decode_flops(shape: ModelShape, context: int, dense_mask: bool = False) -> dict:
-    """With a cache: one token at position ``context - 1`` attends to ``context`` keys."""
+    """With a cache: one token at position ``context - 1`` attends to ``context`` keys (MLA: absorbed)."""
     context = check_count("context", context, 1)
     return forward_flops(shape, 1, past=context - 1, dense_mask=dense_mask)
 
 
 def recompute_flops(shape: ModelShape, context: int, dense_mask: bool = False) -> dict:
-    """Without a cache: the token at position ``context - 1`` needs all ``context`` tokens run again."""
+    """Without a cache: the token at position ``context - 1`` needs all ``context`` tokens run again.
+
+    That pass is a prefill of ``context`` tokens, so MLA counts it expanded (see ``layer_flops``).
+    """
     context = check_count("context", context, 1)
-    return forward_flops(shape, context, past=0, dense_mask=dense_mask)
+    return forward_flops(shape, context, past=0, dense_mask=dense_mask, mla_form="expanded")
 
 
 def generation_flops(shape: ModelShape, prompt_len: int, new_tokens: int, cache: bool = True,
@@ -157,7 +222,8 @@ def generation_flops(shape: ModelShape, prompt_len: int, new_tokens: int, cache:
         steps of one token each (the k-th sees prompt_len + k keys).
       * cache=False: the k-th new token (k = 0..new_tokens-1) needs a forward
         pass over all prompt_len + k tokens, recomputing every K and V.
-    Each pass computes logits for its last token only.
+    Each pass computes logits for its last token only. MLA: the prefill and
+    every uncached pass expanded, the decode steps absorbed (see ``layer_flops``).
     """
     prompt_len = check_count("prompt_len", prompt_len, 1)
     new_tokens = check_count("new_tokens", new_tokens, 0)
@@ -168,7 +234,8 @@ def generation_flops(shape: ModelShape, prompt_len: int, new_tokens: int, cache:
         passes = [(prompt_len, 0)] + [(1, prompt_len + k - 1) for k in range(1, new_tokens)]
     else:
         passes = [(prompt_len + k, 0) for k in range(new_tokens)]
-    return sum(_forward(rates, shape, n, past, 1, dense_mask)["total"] for n, past in passes)
+    form = "auto" if cache else "expanded"
+    return sum(_forward(rates, shape, n, past, 1, dense_mask, form)["total"] for n, past in passes)
 
 
 def cache_speedup(shape: ModelShape, prompt_len: int, new_tokens: int, dense_mask: bool = False) -> float:
