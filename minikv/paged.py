@@ -25,15 +25,11 @@ The data layout (the GPU wing ``minikv_gpu.paged`` mirrors it exactly)
   mapping** ``[N] int64`` (one slot per packed new token) into the pool viewed
   as ``[num_blocks * block_size, Hkv, D]``.
   Offsets are 64-bit on purpose. Within one layer's pool the element offset is
-  ``slot * Hkv * D + head * D + dim``, so 32-bit offsets need
-  ``num_blocks * block_size * Hkv * D <= 2**31`` per layer (the largest offset is
-  one less; the whole multi-layer pool may be larger). With Hkv 8 and D 128 that is 2**31 / 1024 = 2**21 slots,
-  2M tokens per layer pool (4 GiB per K pool in fp16; 274.88 GB of cache for
-  Llama-3 8B's 32 layers). One layer's pool still reaches it on a large GPU with a
-  shallow model or a 1-byte cache (SmolLM2 in fp8: 128.85 GB of cache in all), and
-  a kernel that indexes the pool across layers (``[L, num_blocks, ...]``, as
-  ``copy_blocks`` in ``minikv_gpu/kernels/paged.cu`` does) passes it L times sooner
-  (Llama-3 8B: 65,536 tokens). So a kernel computes ``(int64)slot * stride``.
+  ``slot * Hkv * D + head * D + dim``: 32 bits hold it while ``num_blocks * block_size
+  * Hkv * D <= 2**31`` (Hkv 8, D 128: 2**21 slots per layer). A large GPU passes that with
+  a shallow model or a 1-byte cache, and a kernel indexing across layers (``copy_blocks``)
+  passes it L times sooner, so kernels compute ``(int64)slot * stride`` (Q17 of
+  docs/interview.md has the numbers).
 
 Who owns what
 -------------
