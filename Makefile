@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test install install-test notebooks bench lint clean
+.PHONY: demo test install install-test notebooks bench lint exercise clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench: install-test
 
 lint: install-test
 	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks notebooks
+
+# One exercise (exercises/README.md): the step's own tests run on your function, e.g. make exercise EX=ring_slot.
+# With no EX: the list of exercises.
+exercise: install-test
+	$(PY) -m exercises $(EX)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
