@@ -286,3 +286,226 @@ def test_seed_contiguous_waste_and_the_paged_gain_at_32k():
     u_p = paged.memory_stats()["utilization"]
     assert u_c == sum(lengths) / (4 * 32768) and 1 - u_c > 0.5  # claim 38: over 50% wasted
     assert u_p == 23500 / 23520 and round(u_p / u_c, 1) == 5.6  # claim 39: the gain is 1 / U, here 5.6x
+
+
+def test_seed_attention_needs_no_full_score_matrix():
+    from minikv.attention import causal_attention
+    from minikv.online_softmax import attend_contiguous
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 256, 16)) for _ in range(3))    # 4 heads, 256 tokens
+    tiled = attend_contiguous(q, k, v, key_tile=16)                       # scores held: one 64 x 16 tile
+    assert np.allclose(tiled, causal_attention(q, k, v))                  # the same attention, no 256 x 256
+    square = 40 * 2048 * 2048 * 2                                         # Llama-2 13B, one layer, fp16
+    assert square == 335_544_320
+
+
+def test_seed_kernel_fusion_bounds_a_decode_step():
+    from minikv.costs import get_preset, kv_bytes_per_token, weights_bytes
+
+    llama = get_preset("llama2-7b")
+    weights, per_token = weights_bytes(llama, "fp16"), kv_bytes_per_token(llama, "fp16")
+    kv = 2048 * per_token                                  # every cached K and V, read once per step
+    step = weights + kv                                    # bytes a batch-1 decode step must move
+    fused_write = 2 * per_token                            # the new token's K/V: written, read back
+    score_rows = 2 * 32 * 32 * 2048 * 2                    # decode scores, written and read, 32 layers
+    assert fused_write / step < 1e-4 and score_rows / step < 1e-3 and step / weights < 1.09
+
+
+def test_seed_packed_batch_needs_no_length_grouping():
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    m = random_model(dtype=np.float64)
+    a, b = np.arange(5) % 101, (7 * np.arange(40)) % 101
+    def cache():
+        return PagedKVCache(**m.new_cache_args(), num_blocks=16, block_size=16, dtype=np.float64)
+    both = cache()
+    both.add_sequence("a"), both.add_sequence("b")
+    packed = m.forward([a, b], both, ["a", "b"])             # one forward, 5 + 40 = 45 token rows, no padding
+    alone = []
+    for ids in (a, b):
+        c = cache()
+        c.add_sequence(0)
+        alone.append(m.forward([ids], c)[0])
+    assert np.allclose(packed, np.stack(alone))
+
+
+def test_seed_rope_keys_are_cached_once_rotated():
+    from minikv.layers import apply_rope, rope_tables
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 1, 64)), rng.standard_normal((1, 1, 64))
+    cos, sin = rope_tables(64, 4096, 10000.0, dtype=np.float64)
+    def score(m, n):     # query at position m, key rotated at position n when it was cached
+        qm = apply_rope(q, cos[m:m + 1], sin[m:m + 1], "half")
+        kn = apply_rope(k, cos[n:n + 1], sin[n:n + 1], "half")
+        return float((qm * kn).sum())
+    assert np.isclose(score(10, 3), score(1010, 1003)) and np.isclose(score(10, 3), score(4000, 3993))
+    assert not np.isclose(score(10, 3), score(10, 4))   # only the distance matters, and it does matter
+
+
+def test_seed_prefix_cache_keys_the_whole_prefix():
+    from minikv.block_allocator import chain_hash
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    block = list(range(16, 32))
+    assert chain_hash(chain_hash(None, range(16)), block) != chain_hash(chain_hash(None, [0] * 16), block)
+
+    m = random_model()
+    cache = PagedKVCache(**m.new_cache_args(), num_blocks=16, block_size=16)
+    a = [i % 101 for i in range(40)]
+    cache.add_sequence("a", a)
+    m.forward([a], cache, ["a"])
+    b = [5] + a[1:]                                  # one different token in the first block
+    assert cache.add_sequence("b", b) == 0           # so its second block, the same tokens, is not reused
+    assert cache.add_sequence("c", a[:32] + [9]) == 32
+
+
+def test_seed_kv_sharding_by_layer_and_by_head():
+    from minikv.costs import get_preset, kv_bytes_per_token
+
+    llama = get_preset("llama3-70b")                       # 80 layers, 8 KV heads of 128
+    per_gpu = {}
+    for tp in (1, 2, 4, 8, 16):
+        heads = max(1, llama.num_kv_heads // tp)           # past 8, a head is replicated, not split
+        per_gpu[tp] = kv_bytes_per_token(llama.replace(num_kv_heads=heads), "fp16")
+    assert per_gpu[1] == 327_680 and per_gpu[8] == per_gpu[16] == 40_960
+    stage = kv_bytes_per_token(llama.replace(num_layers=20), "fp16")   # 4 pipeline stages of 20 layers
+    assert 4 * stage == per_gpu[1]                         # disjoint layers: nothing held twice, nothing gathered
+
+
+def test_seed_paged_pool_is_allocated_once():
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    m = random_model()
+    cache = PagedKVCache(**m.new_cache_args(), num_blocks=32, block_size=16)
+    pools, size = (cache.k_pool, cache.v_pool), cache.bytes_allocated()
+    for sid in range(3):
+        cache.add_sequence(sid)
+        m.forward([np.arange(30 + sid) % 101], cache, [sid])
+    for _ in range(20):
+        m.forward([[1], [2], [3]], cache, [0, 1, 2])
+    cache.free_sequence(1)
+    cache.add_sequence(3)
+    m.forward([np.arange(40) % 101], cache, [3])
+    assert cache.k_pool is pools[0] and cache.v_pool is pools[1]   # no step allocated cache memory
+    assert cache.bytes_allocated() == size                 # the same memory, allocated once
+
+
+def test_seed_paging_is_not_offloading():
+    from minikv.errors import InvalidInputError
+    from minikv.model import random_model
+    from minikv.paged import PagedKVCache
+
+    m = random_model()
+    cache = PagedKVCache(**m.new_cache_args(), num_blocks=8, block_size=16, num_host_blocks=8)
+    cache.add_sequence(0)
+    m.forward([np.arange(20)], cache)                        # 20 tokens: 2 device blocks
+    cache.swap_out(0)                                        # offloading: all its blocks go to the host
+    assert cache.is_swapped(0) and cache.num_free_blocks == 8
+    with pytest.raises(InvalidInputError, match="swapped out"):
+        m.forward([[3]], cache)                              # no page fault brings one block back
+    cache.swap_in(0)                                         # the whole sequence comes back first
+    m.forward([[3]], cache)
+    assert cache.length(0) == 21 and cache.num_blocks_held(0) == 2
+
+
+def test_seed_smaller_cache_means_larger_batch():
+    from minikv.costs import get_preset, kv_bytes_per_token, kv_dtype_bytes_per_token, weights_bytes
+
+    llama = get_preset("llama3-8b")
+    free = 80 * 10**9 - weights_bytes(llama, "fp16")              # assumption: an 80 GB GPU, no activations
+    fp16, int8 = kv_bytes_per_token(llama, "fp16"), kv_dtype_bytes_per_token(llama, "int8")
+    batch = {"fp16 reserve 8k": free // (8192 * fp16), "int8 reserve 8k": free // (8192 * int8),
+             "fp16 paged, 2k used": free // (2048 * fp16)}
+    assert (fp16, int8) == (131_072, 69_632)
+    assert batch == {"fp16 reserve 8k": 59, "int8 reserve 8k": 112, "fp16 paged, 2k used": 238}
+
+
+def test_seed_offloading_is_bound_by_pcie():
+    from minikv.costs import get_preset, kv_bytes_per_token
+
+    pcie, hbm = 25e9, 3.35e12                                  # assumptions: PCIe 4.0 x16, H100 SXM HBM3
+    seq = 32768 * kv_bytes_per_token(get_preset("llama3-8b"), "fp16")
+    assert round(seq / pcie * 1e3, 1) == 171.8 and round(hbm / pcie) == 134
+
+
+def test_seed_mla_cache_has_no_head_axis_and_block_size_is_a_trade():
+    from minikv.block_allocator import num_blocks_for
+    from minikv.costs import get_preset, kv_values_per_token
+
+    v3 = get_preset("deepseek-v3")
+    per_layer = kv_values_per_token(v3) // v3.num_layers          # values per token per layer: no head axis
+    assert per_layer == v3.kv_lora_rank + v3.rope_dim == 576
+    assert 128 * per_layer * 2 == 147_456                          # one 128-token block, one layer, fp16
+    lengths = [300, 1000, 70, 4100]
+    waste = {bs: sum(num_blocks_for(n, bs) * bs - n for n in lengths) for bs in (64, 128)}
+    assert waste == {64: 162, 128: 290}
+
+
+def test_seed_layers_depend_on_the_layer_below():
+    from minikv.kv_cache import ContiguousKVCache
+    from minikv.model import random_model
+
+    m = random_model(dtype=np.float64)
+    ids = np.arange(12) % 101
+    caches = []
+    for bump in (0.0, 1.0):
+        c = ContiguousKVCache(**m.new_cache_args(), max_seqs=1, max_len=16, dtype=np.float64)
+        c.add_sequence(0)
+        m.forward([ids], c)
+        c.k[0, 0, :, 0] += bump                        # perturb layer 0's cached key of token 0
+        m.forward([[5]], c)                            # one decode step: token 12
+        caches.append(c)
+    clean, bumped = caches
+    assert np.allclose(clean.k[0, 0, :, 12], bumped.k[0, 0, :, 12])      # layer 0's new key: unchanged
+    assert not np.allclose(clean.k[1, 0, :, 12], bumped.k[1, 0, :, 12])  # layer 1's: waits on layer 0
+
+
+def test_seed_attention_reads_the_token_it_writes():
+    from minikv.attention import causal_attention
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4, 1, 16))                     # the new token's query, 4 heads
+    k, v = rng.standard_normal((2, 4, 9, 16))               # 8 cached tokens plus the new one
+    stale_k, stale_v = k.copy(), v.copy()
+    stale_k[:, -1] = stale_v[:, -1] = 0                     # the new slot read before the write landed
+    assert not np.allclose(causal_attention(q, k, v), causal_attention(q, stale_k, stale_v))
+
+    write = 2 * 8 * 128 * 2                                 # Llama-3 8B, one layer, one token: K and V, fp16
+    read = 4096 * write                                     # that layer's attention at 4,096 tokens
+    assert (write, read) == (4096, 16 * 2**20)
+
+
+def test_seed_split_k_partials_merge_exactly():
+    from minikv import online_softmax as osm
+    from minikv.attention import causal_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((4, 1, 16)), rng.standard_normal((4, 64, 16)), rng.standard_normal((4, 64, 16))
+    def part(lo, hi):                                       # one split: keys lo..hi-1
+        s = osm.start((4, 1), 16, dtype=np.float64)
+        return osm.update(s, q @ k[:, lo:hi].transpose(0, 2, 1) / 4.0, v[:, lo:hi])
+    split_k = osm.finish(osm.merge(part(0, 40), part(40, 64)))
+    assert np.allclose(split_k, causal_attention(q, k, v))  # the decode query sees all 64 keys
+
+
+def test_seed_three_kinds_of_waste_mapped():
+    from minikv.kv_cache import ContiguousKVCache
+    from minikv.paged import PagedKVCache
+
+    written, final, geo = 5, 8, dict(num_layers=1, num_kv_heads=1, head_dim=1)
+    slab = ContiguousKVCache(**geo, max_seqs=1, max_len=2048)
+    paged = PagedKVCache(**geo, num_blocks=4, block_size=16)
+    for cache in (slab, paged):
+        cache.add_sequence(0)
+        with cache.step([0], [written]):
+            cache.write(0, np.zeros((written, 1, 1), np.float32), np.zeros((written, 1, 1), np.float32))
+    slots = slab.bytes_allocated() // (2 * 4)                           # K and V, one float32 each: 2048 slots
+    assert slab.bytes_used() == written * 2 * 4
+    reserved, never_used = final - written, slots - final
+    assert (slots, reserved, never_used) == (2048, 3, 2040)
+    assert paged.num_blocks_held(0) * 16 - final == 8                   # paged: only the last block's tail
