@@ -1,4 +1,4 @@
-"""ruff (configured in pyproject.toml) passes on the code, the tests, the benchmarks, the exercises and the notebooks."""
+"""ruff (configured in pyproject.toml) passes on the code, tests, benchmarks, exercises and notebooks."""
 
 import shutil
 import subprocess
