@@ -31,7 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 REQUIRED = ["index.md", "01_naive_attention.md", "02_kv_cache.md", "03_paged.md", "04_mla.md", "05_quant.md",
             "06_window.md", "gpu.md", "formulas.md", "claims.md", "interview.md"]
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = sorted(DOCS.glob("*.md")) + sorted((DOCS / "zh").glob("*.md"))  # the Chinese edition is held to the same checks
+
+
+def _name(page: Path) -> str:
+    """A page as docs/ names it: "06_window.md", "zh/06_window.md"."""
+    return page.relative_to(DOCS).as_posix()
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")
@@ -55,7 +60,7 @@ def _python_blocks():
     for page in PAGES:
         for i, m in enumerate(FENCE.finditer(_read(page))):
             if m.group(1) == "python":
-                yield pytest.param(m.group(2), id=f"{page.name}-block{i}")
+                yield pytest.param(m.group(2), id=f"{_name(page)}-block{i}")
 
 
 def _commands():
@@ -69,7 +74,7 @@ def _commands():
         for c in candidates:
             c = c.split(" #", 1)[0].strip()
             if c.startswith("minikv "):  # a bare `minikv` is the program's name, not a command
-                found.setdefault(c, page.name)
+                found.setdefault(c, _name(page))
     return [pytest.param(cmd, id=f"{page}: {cmd}"[:120]) for cmd, page in sorted(found.items())]
 
 
@@ -77,7 +82,7 @@ def _all_text_refs(pattern: re.Pattern):
     refs = {}
     for page in PAGES:
         for ref in pattern.findall(_read(page)):
-            refs.setdefault(ref, page.name)
+            refs.setdefault(ref, _name(page))
     return [pytest.param(ref, id=f"{page}: {ref}") for ref, page in sorted(refs.items())]
 
 
@@ -94,10 +99,10 @@ def test_index_links_every_page():
         assert f"]({name})" in index, f"docs/index.md does not link {name}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_no_code_span_is_broken_across_lines(page):
     for line in _prose(_read(page)).splitlines():
-        assert line.count("`") % 2 == 0, f"{page.name}: a code span breaks across lines near: {line!r}"
+        assert line.count("`") % 2 == 0, f"{_name(page)}: a code span breaks across lines near: {line!r}"
 
 
 # --- snippets run ------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def _span_problem(part: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_code_span_references_resolve(page):
     problems = []
     for span in SPAN.findall(_prose(_read(page))):
@@ -178,16 +183,16 @@ def test_code_span_references_resolve(page):
             problem = _span_problem(part.strip().rstrip(".:"))
             if problem:
                 problems.append(problem)
-    assert not problems, f"{page.name}:\n  " + "\n  ".join(problems)
+    assert not problems, f"{_name(page)}:\n  " + "\n  ".join(problems)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_relative_links_exist(page):
     for target in LINK.findall(_read(page)):
         if re.match(r"^[a-z]+:", target) or target.startswith("#"):
             continue
         path = (page.parent / target.split("#", 1)[0]).resolve()
-        assert path.exists(), f"{page.name} links to {target}, which does not exist"
+        assert path.exists(), f"{_name(page)} links to {target}, which does not exist"
 
 
 # --- claims.md and interview.md keep their shape -------------------------------------------------
@@ -229,4 +234,4 @@ def test_later_steps_are_marked_not_linked():
     """Code that later steps will write is announced as 'code: step N (coming)', never as a path."""
     for page in PAGES:
         for m in re.finditer(r"code: step (\d\w*) \(coming\)", _read(page)):
-            assert m.group(1) in {"3", "3b", "4", "5", "6"}, f"{page.name}: unknown step {m.group(1)}"
+            assert m.group(1) in {"3", "3b", "4", "5", "6"}, f"{_name(page)}: unknown step {m.group(1)}"
