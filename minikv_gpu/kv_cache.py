@@ -45,6 +45,7 @@ from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
     STATIC_SMEM_LIMIT,
     cache_defines,
+    check_device_query,
     check_device_rows,
     check_version,
     device_f32,
@@ -259,11 +260,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_query(self, q):
-        step = self._require_step()
-        if not isinstance(q, (self.rt.xp.ndarray, np.ndarray)) or q.ndim != 3 or q.shape[0] != step.num_tokens \
-                or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
-            raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, "
-                             f"Hq, D={self.head_dim}] with Hq a multiple of Hkv={self.num_kv_heads}")
+        check_device_query(self, self.rt, q)
         group = q.shape[1] // self.num_kv_heads
         smem = 4 * KEY_TILE * (2 * self.head_dim + 1) + 4 * group * self.head_dim
         if group > 32 or smem > STATIC_SMEM_LIMIT:

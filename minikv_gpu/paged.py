@@ -60,6 +60,7 @@ from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
     STATIC_SMEM_LIMIT,
     cache_defines,
+    check_device_query,
     check_device_rows,
     check_version,
     device_f32,
@@ -416,11 +417,7 @@ class PagedKVCache(_cpu.PagedKVCache):
         """Check ``attend``'s arguments and allocate its buffers; return ``launch()``, which runs the
         kernel(s) and returns the output (the same array every call). Benchmarks time ``launch`` alone."""
         self._check_layer(layer)
-        step = self._require_step()
-        if not isinstance(q, (self.rt.xp.ndarray, np.ndarray)) or q.ndim != 3 or q.shape[0] != step.num_tokens \
-                or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
-            raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, "
-                             f"Hq, D={self.head_dim}] with Hq a multiple of Hkv={self.num_kv_heads}")
+        check_device_query(self, self.rt, q)
         group = _check_group(q.shape[1], self.num_kv_heads, self.head_dim)
         d = self._dev
         version = resolve_version(version, self.version, v3_refusal(group, self.head_dim, d["decode"]))

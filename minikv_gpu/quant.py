@@ -28,12 +28,12 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import quant as _cpu
-from minikv.errors import ConfigError, ShapeError
+from minikv.errors import ConfigError
 from minikv.kv_cache import Step
 from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu.kv_cache import v3_refusal
-from minikv_gpu.runtime import check_device_rows, check_version, device_f32, head_dim_defines
+from minikv_gpu.runtime import check_device_query, check_device_rows, check_version, device_f32, head_dim_defines
 
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
@@ -183,11 +183,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
     def prepare_attend(self, layer: int, q, *, version: int | None = None):
         """Check ``attend``'s arguments and allocate its buffers; return ``launch()`` (benchmarks time it)."""
         self._check_layer(layer)
-        step = self._require_step()
-        if not isinstance(q, (self.rt.xp.ndarray, np.ndarray)) or q.ndim != 3 or q.shape[0] != step.num_tokens \
-                or q.shape[2] != self.head_dim or q.shape[1] % self.num_kv_heads:
-            raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, "
-                             f"Hq, D={self.head_dim}] with Hq a multiple of Hkv={self.num_kv_heads}")
+        check_device_query(self, self.rt, q)
         if check_version(version) not in (None, 3):
             raise ConfigError(f"version={version}: the quantized GPU cache runs quant_decode_attention_v3 only")
         refusal = v3_refusal(q.shape[1] // self.num_kv_heads, self.head_dim, True)

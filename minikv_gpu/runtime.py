@@ -372,6 +372,17 @@ def check_device_rows(cache, rt: Runtime, name: str, a, heads: int) -> None:
                          f"cast with {name}.astype(np.float32)")
 
 
+def check_device_query(cache, rt: Runtime, q):
+    """``KVCacheBase._check_query`` for device arrays: q [N, Hq, D] of this step, Hq a multiple of Hkv.
+    Returns the open step."""
+    step = cache._require_step()
+    if not isinstance(q, (rt.xp.ndarray, np.ndarray)) or q.ndim != 3 or q.shape[0] != step.num_tokens \
+            or q.shape[2] != cache.head_dim or q.shape[1] % cache.num_kv_heads:
+        raise ShapeError(f"q.shape={getattr(q, 'shape', type(q).__name__)}, expected [N={step.num_tokens}, "
+                         f"Hq, D={cache.head_dim}] with Hq a multiple of Hkv={cache.num_kv_heads}")
+    return step
+
+
 def host_array(rt: Runtime, a) -> np.ndarray:
     """A small index array (host or device) as a NumPy array."""
     return rt.asnumpy(a) if isinstance(a, rt.xp.ndarray) else np.asarray(a)
