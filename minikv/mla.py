@@ -4,19 +4,19 @@ The idea
 --------
 A GQA cache stores 2 x Hkv x D numbers per token and layer. MLA stores one
 *latent* instead: the token's hidden state is compressed to ``c_kv``
-(``kv_lora_rank`` = R numbers, 512 in DeepSeek-V3, RMS-normalised by
-``kv_a_layernorm``) plus one small RoPE key ``k_pe`` (``qk_rope_head_dim`` = P,
+(``kv_lora_rank`` = r numbers, 512 in DeepSeek-V3, RMS-normalised by
+``kv_a_layernorm``) plus one small RoPE key ``k_pe`` (``qk_rope_head_dim`` = dr,
 64) shared by every head. Per-head keys and values are linear functions of the
 latent (``kv_b_proj`` = [W_UK | W_UV] per head h)::
 
-    k_h = [c_kv @ W_UK[h] ; k_pe]    (qk_nope_head_dim + P)      v_h = c_kv @ W_UV[h]   (v_head_dim)
+    k_h = [c_kv @ W_UK[h] ; k_pe]    (qk_nope_head_dim + dr)      v_h = c_kv @ W_UV[h]   (v_head_dim)
 
 Two ways to attend over the same cache, equal up to rounding:
 
 * **expanded**: decompress k_h and v_h for the keys, then ordinary attention;
-* **absorbed**: fold W_UK into the query, ``q_lat[h] = q_nope[h] @ W_UK[h]^T`` (R numbers), so
+* **absorbed**: fold W_UK into the query, ``q_lat[h] = q_nope[h] @ W_UK[h]^T`` (r numbers), so
   ``q_h . k_h = [q_lat[h] ; q_pe[h]] . [c_kv ; k_pe]``: every head scores against the *same*
-  576-wide latent (MQA with one key head), the values are the latent's first R entries, and
+  576-wide latent (MQA with one key head), the values are the latent's first r entries, and
   W_UV is applied once to the attention output: ``out[h] = (sum_j p_j c_kv[j]) @ W_UV[h]``.
 
 Decoupled RoPE: why k_pe exists
@@ -24,7 +24,7 @@ Decoupled RoPE: why k_pe exists
 RoPE multiplies a key by a rotation R(pos) that depends on the token's position. If the
 whole key were rotated, ``q . R(p_k) (c_kv W_UK)`` would put R(p_k) between the query and
 W_UK, so W_UK could not be folded into the query once for all keys: each key would need its
-own product. MLA therefore rotates only a separate part: the last P dims of each query and
+own product. MLA therefore rotates only a separate part: the last dr dims of each query and
 ``k_pe`` (one per token, shared by all heads); the ``qk_nope_head_dim`` dims are position-free
 and absorb. The rotation itself uses either layout of ``minikv.layers.apply_rope``: DeepSeek's
 ``rope_interleave=True`` rotates adjacent pairs (transformers then de-interleaves both q and k
@@ -33,27 +33,27 @@ changes nothing), ``rope_interleave=False`` the half-split pairs of ``rotate_hal
 
 The cache layout
 ----------------
-Per token and layer the cache stores ``[c_kv ; k_pe]``: R + P values (the normalised c_kv and
+Per token and layer the cache stores ``[c_kv ; k_pe]``: r + dr values (the normalised c_kv and
 the *rotated* k_pe), one pool, no separate K and V:
 
-* contiguous ``latent: [L, max_seqs, 1, max_len, R + P]`` (the 1: the single latent "head");
-* paged ``pool: [L, num_blocks, block_size, R + P]``: a block is ``[block_size, R + P]``, so the block
+* contiguous ``latent: [L, max_seqs, 1, max_len, r + dr]`` (the 1: the single latent "head");
+* paged ``pool: [L, num_blocks, block_size, r + dr]``: a block is ``[block_size, r + dr]``, so the block
   manager, prefix sharing, fork/copy-on-write and the scheduler work unchanged.
 
-``bytes_per_token = (R + P) x L x itemsize``: DeepSeek-V3 caches 576 values, not 128 x (192 + 128).
+``bytes_per_token = (r + dr) x L x itemsize``: DeepSeek-V3 caches 576 values, not 128 x (192 + 128).
 
 Which form runs when (``form="auto"``, the default)
 ----------------------------------------------------
 * decode (one new token): absorbed over the whole history, its own token included: the
-  cache is read once as W-wide rows and no per-head K/V is built (decode is memory-bound);
+  cache is read once as Dl-wide rows and no per-head K/V is built (decode is memory-bound);
 * prefill (T > 1): expanded over the step's own T tokens (decompressed once; a score costs
-  Dn + P = 192 multiply-adds instead of 576: prefill is compute-bound) plus absorbed over the
+  Dn + dr = 192 multiply-adds instead of 576: prefill is compute-bound) plus absorbed over the
   history cached before the step. The two online-softmax states merge exactly once the
   absorbed one's latent accumulator is mapped through W_UV (``acc`` is linear in the values).
   ``form="absorbed"`` or ``"expanded"`` forces one form for every key (the tests use both).
 
-Shapes: N packed tokens, Hq heads, Dn = qk_nope_head_dim, P = qk_rope_head_dim,
-Dv = v_head_dim, R = kv_lora_rank, W = R + P.
+Shapes: N packed tokens, Hq heads, Dn = qk_nope_head_dim, dr = qk_rope_head_dim,
+Dv = v_head_dim, r = kv_lora_rank, Dl = r + dr.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ FORMS = ("auto", "absorbed", "expanded")
 class MLAConfig:
     """The MLA geometry of every layer (``ModelConfig.mla``; None there means a GQA model).
 
-    kv_lora_rank (R), qk_nope_head_dim (Dn), qk_rope_head_dim (P, even), v_head_dim (Dv);
+    kv_lora_rank (r), qk_nope_head_dim (Dn), qk_rope_head_dim (dr, even), v_head_dim (Dv);
     q_lora_rank: None for a plain ``q_proj``, else the rank of ``q_a_proj``/``q_b_proj``;
     rope_interleave: adjacent-pair RoPE (DeepSeek's checkpoints) or the half-split layout;
     yarn: YaRN scaling of the RoPE part and the softmax (None: plain RoPE);
@@ -104,27 +104,27 @@ class MLAConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even: RoPE rotates pairs")
 
-    qk_head_dim = property(lambda self: self.qk_nope_head_dim + self.qk_rope_head_dim)   # Dn + P
-    latent_dim = property(lambda self: self.kv_lora_rank + self.qk_rope_head_dim)        # W = R + P, cached
+    qk_head_dim = property(lambda self: self.qk_nope_head_dim + self.qk_rope_head_dim)   # Dn + dr
+    latent_dim = property(lambda self: self.kv_lora_rank + self.qk_rope_head_dim)        # Dl = r + dr, cached
     rope_layout = property(lambda self: "interleaved" if self.rope_interleave else "half")
 
     @property
     def softmax_scale(self) -> float:
-        """``1/sqrt(Dn + P)``, times YaRN's ``mscale^2`` when ``mscale_all_dim`` is set."""
+        """``1/sqrt(Dn + dr)``, times YaRN's ``mscale^2`` when ``mscale_all_dim`` is set."""
         return self.qk_head_dim ** -0.5 * (self.yarn.softmax_factor if self.yarn else 1.0)
 
 
 def latent_bytes_per_token(mla: MLAConfig, num_layers: int, dtype) -> int:
-    """Bytes a latent cache stores per token: (R + P) x layers x itemsize."""
+    """Bytes a latent cache stores per token: (r + dr) x layers x itemsize."""
     return mla.latent_dim * int(num_layers) * np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
 class LatentUp:
-    """One layer's decompression of the latent, from ``kv_b_proj`` ([R, Hq*(Dn+Dv)] as x @ W).
+    """One layer's decompression of the latent, from ``kv_b_proj`` ([r, Hq*(Dn+Dv)] as x @ W).
 
-    w_uk: [Hq, R, Dn]   k_nope[h] = c_kv @ w_uk[h]
-    w_uv: [Hq, R, Dv]   v[h] = c_kv @ w_uv[h]
+    w_uk: [Hq, r, Dn]   k_nope[h] = c_kv @ w_uk[h]
+    w_uv: [Hq, r, Dv]   v[h] = c_kv @ w_uv[h]
     """
 
     w_uk: np.ndarray
@@ -133,13 +133,13 @@ class LatentUp:
     @classmethod
     def from_kv_b(cls, wkv_b: np.ndarray, num_heads: int, mla: MLAConfig) -> "LatentUp":
         r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
-        per_head = wkv_b.reshape(r, num_heads, dn + mla.v_head_dim).transpose(1, 0, 2)  # [Hq, R, Dn+Dv]
+        per_head = wkv_b.reshape(r, num_heads, dn + mla.v_head_dim).transpose(1, 0, 2)  # [Hq, r, Dn+Dv]
         return cls(np.ascontiguousarray(per_head[..., :dn]), np.ascontiguousarray(per_head[..., dn:]))
 
 
 # --- pure functions: the two forms over one sequence's latent history -----------------------------
 
-Reader = Callable[[int, int], np.ndarray]  # read(k0, k1) -> latent rows [k1 - k0, W] of positions k0..k1-1
+Reader = Callable[[int, int], np.ndarray]  # read(k0, k1) -> latent rows [k1 - k0, Dl] of positions k0..k1-1
 
 
 def _causal_mask(k0: int, k1: int, past: int, t: int) -> np.ndarray | None:
@@ -157,26 +157,26 @@ def absorbed_state(q_nope: np.ndarray, q_pe: np.ndarray, read: Reader, lo: int, 
                    up: LatentUp, key_tile: int | None = None) -> online_softmax.State:
     """Absorbed attention over keys lo..hi-1, as an online-softmax state in latent space.
 
-    q_nope: [Hq, T, Dn], q_pe: [Hq, T, P] (already scaled), queries at past..past+T-1.
-    Scores ``[q_nope W_UK^T ; q_pe] . [c_kv ; k_pe]``: MQA, one W-wide key row per token for all
-    heads (one GEMM per tile); values are the rows' first R entries. State acc: [Hq, T, R].
+    q_nope: [Hq, T, Dn], q_pe: [Hq, T, dr] (already scaled), queries at past..past+T-1.
+    Scores ``[q_nope W_UK^T ; q_pe] . [c_kv ; k_pe]``: MQA, one Dl-wide key row per token for all
+    heads (one GEMM per tile); values are the rows' first r entries. State acc: [Hq, T, r].
     """
     hq, t, _ = q_nope.shape
     r = up.w_uk.shape[1]
-    q_lat = np.concatenate([q_nope @ up.w_uk.transpose(0, 2, 1), q_pe], axis=-1)  # [Hq, T, W]
+    q_lat = np.concatenate([q_nope @ up.w_uk.transpose(0, 2, 1), q_pe], axis=-1)  # [Hq, T, Dl]
     rows = q_lat.reshape(hq * t, -1)
     state = online_softmax.start((hq, t), r, q_nope.dtype)
     tile = _key_tile(hq, t, key_tile)
     for k0 in range(lo, hi, tile):
         k1 = min(k0 + tile, hi)
-        lat = read(k0, k1).astype(q_nope.dtype, copy=False)                 # [K, W]
+        lat = read(k0, k1).astype(q_nope.dtype, copy=False)                 # [K, Dl]
         scores = (rows @ lat.T).reshape(hq, t, k1 - k0)                      # [Hq, T, K]
         online_softmax.update(state, scores, lat[:, :r], _causal_mask(k0, k1, past, t), overwrite=True)
     return state
 
 
 def expand(lat: np.ndarray, up: LatentUp) -> tuple[np.ndarray, np.ndarray]:
-    """Per-head keys and values of latent rows lat: [K, W] -> k: [Hq, K, Dn + P], v: [Hq, K, Dv]."""
+    """Per-head keys and values of latent rows lat: [K, Dl] -> k: [Hq, K, Dn + dr], v: [Hq, K, Dv]."""
     r = up.w_uk.shape[1]
     c_kv, k_pe = lat[:, :r], lat[:, r:]
     k_nope = c_kv[None] @ up.w_uk                                            # [Hq, K, Dn]
@@ -188,7 +188,7 @@ def expanded_state(q: np.ndarray, read: Reader, lo: int, hi: int, past: int, up:
                    key_tile: int | None = None) -> online_softmax.State:
     """Expanded attention over keys lo..hi-1: decompress each tile's k_h, v_h, then ordinary attention.
 
-    q: [Hq, T, Dn + P] (already scaled), queries at past..past+T-1. State acc: [Hq, T, Dv].
+    q: [Hq, T, Dn + dr] (already scaled), queries at past..past+T-1. State acc: [Hq, T, Dv].
     """
     hq, t, _ = q.shape
     state = online_softmax.start((hq, t), up.w_uv.shape[2], q.dtype)
@@ -205,8 +205,8 @@ def latent_attention(q: np.ndarray, read: Reader, past: int, up: LatentUp, mla: 
                      form: str = "auto", key_tile: int | None = None) -> np.ndarray:
     """Causal MLA attention of one sequence's T new queries over its cached latents.
 
-    q:     [T, Hq, Dn + P] queries (q_pe rotated) at positions past..past+T-1
-    read:  read(k0, k1) -> [k1 - k0, W] latent rows; positions 0..past+T-1 are stored
+    q:     [T, Hq, Dn + dr] queries (q_pe rotated) at positions past..past+T-1
+    read:  read(k0, k1) -> [k1 - k0, Dl] latent rows; positions 0..past+T-1 are stored
     form:  "absorbed", "expanded", or "auto" (decode absorbed; prefill expanded over its own
            tokens + absorbed over the history; see the module docstring)
     returns [T, Hq, Dv] in q's dtype
@@ -214,7 +214,7 @@ def latent_attention(q: np.ndarray, read: Reader, past: int, up: LatentUp, mla: 
     check_choice("form", form, FORMS)
     t, dn = q.shape[0], mla.qk_nope_head_dim
     s = past + t
-    qs = (q * q.dtype.type(mla.softmax_scale)).transpose(1, 0, 2)          # [Hq, T, Dn + P]
+    qs = (q * q.dtype.type(mla.softmax_scale)).transpose(1, 0, 2)          # [Hq, T, Dn + dr]
     split = {"absorbed": s, "expanded": 0}.get(form, s if t == 1 else past)  # keys < split: absorbed
     state = None
     if split > 0:
@@ -231,7 +231,7 @@ def latent_attention(q: np.ndarray, read: Reader, past: int, up: LatentUp, mla: 
 def reference_attention(q: np.ndarray, lat: np.ndarray, up: LatentUp, mla: MLAConfig) -> np.ndarray:
     """The textbook form, for the uncached baseline: decompress every key, one causal softmax.
 
-    q: [T, Hq, Dn + P], lat: [T, W] (the same T tokens, positions 0..T-1) -> [T, Hq, Dv].
+    q: [T, Hq, Dn + dr], lat: [T, Dl] (the same T tokens, positions 0..T-1) -> [T, Hq, Dv].
     """
     k, v = expand(lat.astype(q.dtype, copy=False), up)
     scores = (q.transpose(1, 0, 2) * q.dtype.type(mla.softmax_scale)) @ k.transpose(0, 2, 1)  # [Hq, T, T]
@@ -251,8 +251,8 @@ def _latent_width(mla) -> int:
 class _LatentAttention:
     """What the three latent caches share: the geometry, ``write``'s check, ``attend`` over a reader.
 
-    The model writes ``cache.write(layer, latent, None)`` with latent: [N, 1, W] (the latent is
-    key and value at once) and calls ``cache.attend(layer, q)`` with q: [N, Hq, Dn + P] -> [N, Hq, Dv].
+    The model writes ``cache.write(layer, latent, None)`` with latent: [N, 1, Dl] (the latent is
+    key and value at once) and calls ``cache.attend(layer, q)`` with q: [N, Hq, Dn + dr] -> [N, Hq, Dv].
     """
 
     def _init_latent(self, num_heads: int, mla: MLAConfig, up: Sequence[LatentUp], form: str) -> None:
@@ -274,7 +274,7 @@ class _LatentAttention:
         step = self._require_step()
         want = (step.num_tokens, self.num_heads, self.mla.qk_head_dim)
         if not isinstance(q, np.ndarray) or q.shape != want:
-            raise ShapeError(f"q.shape={getattr(q, 'shape', None)}, expected [N, Hq, Dn + P] = {want}")
+            raise ShapeError(f"q.shape={getattr(q, 'shape', None)}, expected [N, Hq, Dn + dr] = {want}")
         return step
 
     def _attend_with(self, layer: int, q: np.ndarray, reader: Callable[[int], Reader]) -> np.ndarray:
@@ -315,7 +315,7 @@ class LatentNoCache(_LatentAttention, NoCache):
 
 
 class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
-    """A contiguous cache of latents: ``latent: [L, max_seqs, 1, max_len, W]`` (``k`` and ``v`` name it too).
+    """A contiguous cache of latents: ``latent: [L, max_seqs, 1, max_len, Dl]`` (``k`` and ``v`` name it too).
 
     Slots, lengths, ``max_len`` checks and rollback are ``ContiguousKVCache``'s; only the storage
     hook (one store, not K and V), ``write`` and ``attend`` change.
@@ -328,13 +328,13 @@ class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
         self._init_latent(num_heads, mla, up, form)
 
     def _new_buffer(self, shape: tuple):
-        """The one latent store [L, max_seqs, 1, max_len, W]: asked for K and then V, both get it."""
+        """The one latent store [L, max_seqs, 1, max_len, Dl]: asked for K and then V, both get it."""
         if self.latent is None:
             self.latent = np.zeros(shape, dtype=self.dtype)
         return self.latent
 
     def write(self, layer: int, latent: np.ndarray, v=None) -> None:
-        """Store the step's latents (latent: [N, 1, W], v None) at each sequence's next positions."""
+        """Store the step's latents (latent: [N, 1, Dl], v None) at each sequence's next positions."""
         self._check_layer(layer)
         self._check_latent(latent, v)
         step = self._step
@@ -343,7 +343,7 @@ class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
             self.latent[layer, slot, 0, p:p + r.stop - r.start] = latent[r, 0]
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """MLA attention (q: [N, Hq, Dn + P] -> [N, Hq, Dv]) over each sequence's latent slab."""
+        """MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv]) over each sequence's latent slab."""
         step = self._require_step()
         slots = [self._slot[sid] for sid in step.seq_ids]
         return self._attend_with(layer, q, lambda i: lambda k0, k1: self.latent[layer, slots[i], 0, k0:k1])
@@ -353,10 +353,10 @@ class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
 
 
 class LatentPagedKVCache(_LatentAttention, PagedKVCache):
-    """A paged cache of latents: ``pool: [L, num_blocks, block_size, W]`` (``k_pool``/``v_pool`` name it too).
+    """A paged cache of latents: ``pool: [L, num_blocks, block_size, Dl]`` (``k_pool``/``v_pool`` name it too).
 
     Block tables, prefix sharing, fork with copy-on-write, swapping and admission are
-    ``PagedKVCache``'s (its ``BlockManager``): a block is just ``[block_size, W]`` here. Reads go
+    ``PagedKVCache``'s (its ``BlockManager``): a block is just ``[block_size, Dl]`` here. Reads go
     through the block table, tile by tile, to the slots of positions 0..len-1 only, so a stale
     (even NaN) slot of a partly filled last block is never read.
     """
@@ -371,7 +371,7 @@ class LatentPagedKVCache(_LatentAttention, PagedKVCache):
 
     # -- storage hooks: one pool (and one host pool), each copy done once -------------------------
     def _new_pool(self, num_blocks: int, host: bool):
-        """The one pool [L, num_blocks, block_size, W]: asked for K and then V, both get it."""
+        """The one pool [L, num_blocks, block_size, Dl]: asked for K and then V, both get it."""
         name = "host_pool" if host else "pool"
         if getattr(self, name) is None:
             setattr(self, name, np.zeros((self.num_layers, num_blocks, self.block_size, self.head_dim),
@@ -389,13 +389,13 @@ class LatentPagedKVCache(_LatentAttention, PagedKVCache):
         self.pool[:, dev] = self.host_pool[:, host]
 
     def write(self, layer: int, latent: np.ndarray, v=None) -> None:
-        """Store the step's latents (latent: [N, 1, W], v None) into their slots of layer ``layer``'s pool."""
+        """Store the step's latents (latent: [N, 1, Dl], v None) into their slots of layer ``layer``'s pool."""
         self._check_layer(layer)
         self._check_latent(latent, v)
         self.pool[layer].reshape(-1, self.head_dim)[self._slots] = latent[:, 0]
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """MLA attention (q: [N, Hq, Dn + P] -> [N, Hq, Dv]) over each sequence's blocks."""
+        """MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv]) over each sequence's blocks."""
         self._require_step()
         flat, bs, tables = self.pool[layer].reshape(-1, self.head_dim), self.block_size, self._step_tables
 
@@ -405,7 +405,7 @@ class LatentPagedKVCache(_LatentAttention, PagedKVCache):
         return self._attend_with(layer, q, reader)
 
     def read_latent(self, seq_id, layer: int) -> np.ndarray:
-        """The sequence's stored latents [length, W] (tests and debugging only)."""
+        """The sequence's stored latents [length, Dl] (tests and debugging only)."""
         return self.read_kv(seq_id, layer)[0][:, 0]
 
     def bytes_allocated(self) -> int:

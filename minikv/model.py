@@ -42,8 +42,8 @@ class ModelConfig:
 
     mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads and
     head_dim describe what is cached, the absorbed form's geometry: MQA over one latent "head"
-    of width R + P, so num_kv_heads = 1 and head_dim = ``mla.latent_dim`` (the per-head
-    query/key width Dn + P is ``mla.qk_head_dim``). Caches and the scheduler check it unchanged.
+    of width r + dr, so num_kv_heads = 1 and head_dim = ``mla.latent_dim`` (the per-head
+    query/key width Dn + dr is ``mla.qk_head_dim``). Caches and the scheduler check it unchanged.
     """
 
     vocab_size: int
@@ -105,7 +105,7 @@ class MLALayerWeights:
     """
 
     attn_norm: np.ndarray               # [H]                 input_layernorm
-    wkv_a: np.ndarray                   # [H, R + P]          kv_a_proj_with_mqa
+    wkv_a: np.ndarray                   # [H, r + dr]          kv_a_proj_with_mqa
     kv_a_norm: np.ndarray               # [R]                 kv_a_layernorm
     wkv_b: np.ndarray                   # [R, Hq*(Dn + Dv)]   kv_b_proj
     wo: np.ndarray                      # [Hq*Dv, H]          o_proj
@@ -113,12 +113,12 @@ class MLALayerWeights:
     w_gate: np.ndarray                  # [H, I]
     w_up: np.ndarray                    # [H, I]
     w_down: np.ndarray                  # [I, H]
-    wq: np.ndarray | None = None        # [H, Hq*(Dn + P)]    q_proj
+    wq: np.ndarray | None = None        # [H, Hq*(Dn + dr)]    q_proj
     wq_a: np.ndarray | None = None      # [H, Rq]             q_a_proj
     q_a_norm: np.ndarray | None = None  # [Rq]                q_a_layernorm
-    wq_b: np.ndarray | None = None      # [Rq, Hq*(Dn + P)]   q_b_proj
+    wq_b: np.ndarray | None = None      # [Rq, Hq*(Dn + dr)]   q_b_proj
     bq_a: np.ndarray | None = None      # [Rq]
-    bkv_a: np.ndarray | None = None     # [R + P]
+    bkv_a: np.ndarray | None = None     # [r + dr]
     bo: np.ndarray | None = None        # [H]
 
 
@@ -264,8 +264,8 @@ def mla_attention_block(x: np.ndarray, lw: _MLALayer, cfg: ModelConfig, cache, l
     """Layer ``li``'s MLA attention branch (DeepSeek-V2/V3), the same contract as ``attention_block``.
 
     x: [N, H]; cos, sin: [N, P/2]. The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]``
-    ([N, 1, W]: normalised c_kv, rotated k_pe) and attends for the queries ``[q_nope ; RoPE(q_pe)]``
-    ([N, Hq, Dn + P]), returning [N, Hq, Dv]; returns [N, H] = that @ Wo (+ bias).
+    ([N, 1, Dl]: normalised c_kv, rotated k_pe) and attends for the queries ``[q_nope ; RoPE(q_pe)]``
+    ([N, Hq, Dn + dr]), returning [N, Hq, Dv]; returns [N, H] = that @ Wo (+ bias).
     """
     m, n, hq = cfg.mla, x.shape[0], cfg.num_heads
     dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim

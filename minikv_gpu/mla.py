@@ -4,15 +4,15 @@ The bookkeeping is the NumPy classes', inherited unchanged (slots, lengths, bloc
 sharing, fork/copy-on-write, swapping, step commit and rollback); storage and data movement move
 to the device through their storage hooks, as ``minikv_gpu.paged`` does for ``PagedKVCache``:
 
-* ``LatentContiguousKVCache``: ``latent: [L, max_seqs, 1, max_len, W]`` on the device;
-* ``LatentPagedKVCache``: ``pool: [L, num_blocks, block_size, W]`` on the device (the swap
+* ``LatentContiguousKVCache``: ``latent: [L, max_seqs, 1, max_len, Dl]`` on the device;
+* ``LatentPagedKVCache``: ``pool: [L, num_blocks, block_size, Dl]`` on the device (the swap
   target ``host_pool`` stays a NumPy array); copy-on-write and swaps are array copies;
 * ``LatentNoCache``: step 1's baseline, the step's own latents only.
 
 ``write`` -> ``latent_write_v1`` (one 64-bit row per token). ``attend`` runs the **absorbed** form
 for every query row, prefill included: ``q_abs = [q_nope W_UK^T ; q_pe]`` (a batched matmul through
-``runtime.xp``), then ``mla_decode_attention_v3`` (``kernels/mla.cu``: MQA over the W-wide latent
-rows, values = their first R entries; split-K partials merged by ``attention_reduce_v2``), then
+``runtime.xp``), then ``mla_decode_attention_v3`` (``kernels/mla.cu``: MQA over the Dl-wide latent
+rows, values = their first r entries; split-K partials merged by ``attention_reduce_v2``), then
 ``out[h] = o[h] W_UV[h]`` (another batched matmul). A prefill row is a decode row with a shorter
 history (token n sees keys 0..pos[n]), so one kernel serves both; the NumPy ``form="auto"``
 expands the prefill's own tokens instead (cheaper flops there), which only changes rounding.
@@ -40,7 +40,7 @@ __all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "mla_defi
            "absorbed_query", "absorbed_attention", "choose_splits", "LatentNoCache", "LatentContiguousKVCache",
            "LatentPagedKVCache", "HEADS_PER_WARP", "WARPS", "BLOCKS_PER_SM", "MIN_KEYS_PER_SPLIT"]
 
-HEADS_PER_WARP = 2       # MLA_HEADS_PER_WARP: query heads per warp (registers: 0 spills at R=512, P=64)
+HEADS_PER_WARP = 2       # MLA_HEADS_PER_WARP: query heads per warp (registers: 0 spills at r=512, dr=64)
 WARPS = 8                # warps per block of mla_decode_attention_v3 (mla::WARPS)
 BLOCKS_PER_SM = 2        # its __launch_bounds__(256, 2)
 MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (queries, partial write) wants at least this many keys
@@ -51,8 +51,8 @@ DTYPES = (np.float32, np.float16)
 def mla_defines(mla: MLAConfig, dtype) -> dict:
     """The compile-time defines of ``kernels/mla.cu`` for this geometry and cache dtype.
 
-    HEAD_DIM is the reduce's chunk: the largest of 128, 64, 32, 16, 8 dividing R (``attention_reduce_v2``
-    merges the R values as R / HEAD_DIM chunks). Raises ConfigError for sizes the kernel cannot load.
+    HEAD_DIM is the reduce's chunk: the largest of 128, 64, 32, 16, 8 dividing r (``attention_reduce_v2``
+    merges the r values as r / HEAD_DIM chunks). Raises ConfigError for sizes the kernel cannot load.
     """
     r, p = mla.kv_lora_rank, mla.qk_rope_head_dim
     if r % 8 or p % 8:
@@ -66,8 +66,8 @@ def mla_defines(mla: MLAConfig, dtype) -> dict:
 
 
 def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
-    """``cache_rows[rows[n]] = latent[n]`` (rows[n] = -1: skipped). latent: [N, W] float32 device array;
-    cache_rows: one layer's [rows, W] device view; rows: [N] int64 device array."""
+    """``cache_rows[rows[n]] = latent[n]`` (rows[n] = -1: skipped). latent: [N, Dl] float32 device array;
+    cache_rows: one layer's [rows, Dl] device view; rows: [N] int64 device array."""
     n, w = latent.shape
     if n == 0:
         return
@@ -77,8 +77,8 @@ def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
 
 
 def absorbed_query(xp, q, w_uk_t, dn: int):
-    """q: [N, Hq, Dn + P] -> q_abs = [q_nope W_UK^T ; q_pe]: [N, Hq, R + P] (w_uk_t: [Hq, Dn, R])."""
-    q_lat = xp.matmul(xp.ascontiguousarray(q[:, :, :dn].transpose(1, 0, 2)), w_uk_t)  # [Hq, N, R]
+    """q: [N, Hq, Dn + dr] -> q_abs = [q_nope W_UK^T ; q_pe]: [N, Hq, r + dr] (w_uk_t: [Hq, Dn, r])."""
+    q_lat = xp.matmul(xp.ascontiguousarray(q[:, :, :dn].transpose(1, 0, 2)), w_uk_t)  # [Hq, N, r]
     return xp.ascontiguousarray(xp.concatenate([q_lat.transpose(1, 0, 2), q[:, :, dn:]], axis=2))
 
 
@@ -96,9 +96,9 @@ def choose_splits(max_keys: int, blocks: int, runtime=None, num_splits: int | No
 
 def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
                        scale: float, num_splits: int | None = None):
-    """``mla_decode_attention_v3`` (+ ``attention_reduce_v2`` when split): [N, Hq, R] float32.
+    """``mla_decode_attention_v3`` (+ ``attention_reduce_v2`` when split): [N, Hq, r] float32.
 
-    q_abs: [N, Hq, W] float32 (unscaled); cache_rows: one layer's [rows, W] device array;
+    q_abs: [N, Hq, Dl] float32 (unscaled); cache_rows: one layer's [rows, Dl] device array;
     tables: (block_size, [B, max_blocks] int32 device table): key j of sequence b is row
     ``table[b, j // block_size] * block_size + j % block_size`` (contiguous: block_size = max_len,
     table [B, 1] of slots); token_seq, token_pos: [N] int32 device arrays (token n sees keys 0..pos[n]).
@@ -133,8 +133,8 @@ class _LatentKernels:
     def _init_gpu(self) -> None:
         self.defines = mla_defines(self.mla, self.dtype)
         up = lambda a: self.rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
-        self._w_uk_t = [up(u.w_uk.transpose(0, 2, 1)) for u in self.up]  # [Hq, Dn, R]
-        self._w_uv = [up(u.w_uv) for u in self.up]                       # [Hq, R, Dv]
+        self._w_uk_t = [up(u.w_uk.transpose(0, 2, 1)) for u in self.up]  # [Hq, Dn, r]
+        self._w_uv = [up(u.w_uv) for u in self.up]                       # [Hq, r, Dv]
 
     @classmethod
     def supported_dtypes(cls) -> tuple:
@@ -151,15 +151,15 @@ class _LatentKernels:
         step = self._require_step()
         want = (step.num_tokens, self.num_heads, self.mla.qk_head_dim)
         if not isinstance(q, (self.rt.xp.ndarray, np.ndarray)) or q.shape != want:
-            raise ShapeError(f"q.shape={getattr(q, 'shape', None)}, expected [N, Hq, Dn + P] = {want}")
+            raise ShapeError(f"q.shape={getattr(q, 'shape', None)}, expected [N, Hq, Dn + dr] = {want}")
         return step
 
     def _attend_rows(self, layer: int, q, cache_rows, tables, seq, pos, max_keys: int, num_splits=None):
-        """Absorbed attention of q: [N, Hq, Dn + P] over ``cache_rows`` -> [N, Hq, Dv] float32 (device)."""
+        """Absorbed attention of q: [N, Hq, Dn + dr] over ``cache_rows`` -> [N, Hq, Dv] float32 (device)."""
         xp, dn = self.rt.xp, self.mla.qk_nope_head_dim
         q_abs = absorbed_query(xp, device_f32(self.rt, q, "q"), self._w_uk_t[layer], dn)
         o = absorbed_attention(self.rt, self.defines, q_abs, cache_rows, tables, seq, pos, max_keys,
-                               self.mla.softmax_scale, num_splits)                        # [N, Hq, R]
+                               self.mla.softmax_scale, num_splits)                        # [N, Hq, r]
         out = xp.matmul(xp.ascontiguousarray(o.transpose(1, 0, 2)), self._w_uv[layer])  # [Hq, N, Dv]
         return xp.ascontiguousarray(out.transpose(1, 0, 2))
 
@@ -199,10 +199,10 @@ class LatentNoCache(_LatentKernels, _cpu.LatentNoCache):
 
 
 class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
-    """``minikv.mla.LatentContiguousKVCache`` with ``latent: [L, max_seqs, 1, max_len, W]`` on the device.
+    """``minikv.mla.LatentContiguousKVCache`` with ``latent: [L, max_seqs, 1, max_len, Dl]`` on the device.
 
     runtime: the kernel runtime; num_splits: split-K ranges per history (None: nearest one wave).
-    ``write`` takes float32 latents [N, 1, W], ``attend`` float32 q [N, Hq, Dn + P]; results on the device.
+    ``write`` takes float32 latents [N, 1, Dl], ``attend`` float32 q [N, Hq, Dn + dr]; results on the device.
     """
 
     def __init__(self, num_layers: int, num_heads: int, mla: MLAConfig, up: Sequence[LatentUp], max_seqs: int,
@@ -238,17 +238,17 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
         self._dev = None
 
     def _layer_rows(self, layer: int):
-        return self.latent[layer].reshape(-1, self.head_dim)  # [max_seqs * max_len, W], a view
+        return self.latent[layer].reshape(-1, self.head_dim)  # [max_seqs * max_len, Dl], a view
 
     def write(self, layer: int, latent, v=None) -> None:
-        """Store the step's latents (latent: [N, 1, W] float32, v None) at each sequence's next positions."""
+        """Store the step's latents (latent: [N, 1, Dl] float32, v None) at each sequence's next positions."""
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
         latent_write(self.rt, self.defines, latent, self._layer_rows(layer), self._dev["rows"])
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
-        """Absorbed MLA attention (q: [N, Hq, Dn + P] -> [N, Hq, Dv] float32 on the device)."""
+        """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32 on the device)."""
         self._check_query(layer, q)
         d = self._dev
         return self._attend_rows(layer, q, self._layer_rows(layer), (self.max_len, d["table"]), d["seq"], d["pos"],
@@ -256,7 +256,7 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
 
 
 class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
-    """``minikv.mla.LatentPagedKVCache`` with ``pool: [L, num_blocks, block_size, W]`` on the device.
+    """``minikv.mla.LatentPagedKVCache`` with ``pool: [L, num_blocks, block_size, Dl]`` on the device.
 
     Arguments as the NumPy class, plus runtime and num_splits (as ``LatentContiguousKVCache``).
     """
@@ -306,21 +306,21 @@ class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
         self._dev = None
 
     def write(self, layer: int, latent, v=None) -> None:
-        """Store the step's latents (latent: [N, 1, W] float32, v None) into their slots."""
+        """Store the step's latents (latent: [N, 1, Dl] float32, v None) into their slots."""
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
         latent_write(self.rt, self.defines, latent, self.pool[layer].reshape(-1, self.head_dim), self._dev["rows"])
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
-        """Absorbed MLA attention (q: [N, Hq, Dn + P] -> [N, Hq, Dv] float32) over each sequence's blocks."""
+        """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32) over each sequence's blocks."""
         self._check_query(layer, q)
         d = self._dev
         return self._attend_rows(layer, q, self.pool[layer].reshape(-1, self.head_dim), (self.block_size, d["table"]),
                                  d["seq"], d["pos"], d["max_keys"], num_splits or self.num_splits)
 
     def read_latent(self, seq_id, layer: int) -> np.ndarray:
-        """The sequence's stored latents [length, W] as a host array (tests and debugging only)."""
+        """The sequence's stored latents [length, Dl] as a host array (tests and debugging only)."""
         s = self.blocks.state(seq_id)
         if s.host_table is not None:
             return super().read_latent(seq_id, layer)

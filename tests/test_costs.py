@@ -308,8 +308,8 @@ TINY_MLA = ModelShape("tiny-mla", num_layers=2, hidden_size=8, num_heads=2, head
                       kv_lora_rank=6, intermediate_size=16, vocab_size=10)
 MLA_BASE = 2 * 8 * 2 * (3 + 2) + 2 * 8 * (6 + 2) + 2 * 2 * 4 * 8  # q 160, down to latent + RoPE key 128, o 128
 MLA_UP = 2 * 2 * 6 * (3 + 4)  # one pass through W_UK and W_UV for both heads: 2 Hq R (Dn + Dv) = 168
-MLA_EXP_SCORE, MLA_EXP_V = 2 * 2 * (3 + 2), 2 * 2 * 4  # per key, expanded: 2 Hq (Dn + P), 2 Hq Dv
-MLA_ABS_SCORE, MLA_ABS_V = 2 * 2 * (6 + 2), 2 * 2 * 6  # per key, absorbed: 2 Hq (R + P), 2 Hq R
+MLA_EXP_SCORE, MLA_EXP_V = 2 * 2 * (3 + 2), 2 * 2 * 4  # per key, expanded: 2 Hq (Dn + dr), 2 Hq Dv
+MLA_ABS_SCORE, MLA_ABS_V = 2 * 2 * (6 + 2), 2 * 2 * 6  # per key, absorbed: 2 Hq (r + dr), 2 Hq R
 
 
 def test_mla_decode_is_absorbed_by_hand():

@@ -21,9 +21,9 @@ predicted speed-up that the step-2 notebook compares with a measured one.
 MLA (step 4) has two ways to attend, and the count follows the one that runs
 (``mla_form``, the rule of ``minikv.mla.latent_attention(form="auto")`` and of
 serving engines): a decode step (one new token) is *absorbed*, every query head
-scoring the cached R + P wide latent rows; a prefill (more than one new token)
+scoring the cached r + dr wide latent rows; a prefill (more than one new token)
 and every pass without a cache is *expanded*, building each head's K and V from
-the latent once per token and attending at Dn + P (scores) and Dv (values) per
+the latent once per token and attending at Dn + dr (scores) and Dv (values) per
 head, which is 3.4x fewer attention FLOPs per key for DeepSeek-V3's shapes.
 """
 
@@ -53,7 +53,7 @@ def _layer_rates(s: ModelShape, layer: int) -> dict:
     """FLOPs of one layer per new token (projections, mlp) and per attended key (scores, weighted_v).
 
     MLA adds the absorbed form's per-key rates (``scores_latent``, ``weighted_v_latent``: keys
-    scored as cached latent rows) and ``latent_up``, the 2 Hq R (Dn + Dv) FLOPs of one pass
+    scored as cached latent rows) and ``latent_up``, the 2 Hq r (Dn + Dv) FLOPs of one pass
     through W_UK and W_UV: paid per key row expanded into per-head K and V, or per query that
     attends absorbed (W_UK folded into the query, W_UV applied to the latent result). For MLA
     ``scores`` and ``weighted_v`` are the expanded form's rates; other shapes have no latent.
@@ -137,17 +137,17 @@ def layer_flops(shape: ModelShape, layer: int = 0, num_tokens: int = 1, past: in
 
     Query heads, not KV heads, set the attention cost: GQA shrinks the cache
     and the K/V projections but every query head still scores every key.
-    MLA (step 4; R = kv_lora_rank, P = rope_dim, Dn = head_dim, Dv = v_head_dim)
+    MLA (step 4; r = kv_lora_rank, dr = rope_dim, Dn = head_dim, Dv = v_head_dim)
     counts the form that runs (``mla_form="auto"``):
 
       * decode (one new token) is **absorbed**: the query
-        is mapped into latent space (2 Hq Dn R), scores are dot products with the
-        cached latent and RoPE key (2 Hq (R + P) per key), the probabilities
-        weight the latent (2 Hq R per key) and the result goes up to V
-        (2 Hq R Dv);
+        is mapped into latent space (2 Hq Dn r), scores are dot products with the
+        cached latent and RoPE key (2 Hq (r + dr) per key), the probabilities
+        weight the latent (2 Hq r per key) and the result goes up to V
+        (2 Hq r Dv);
       * a prefill (more than one new token) is **expanded**,
         as real engines prefill: each new token's latent is decompressed into
-        per-head K and V once (2 Hq R (Dn + Dv)), scores cost 2 Hq (Dn + P) and
+        per-head K and V once (2 Hq r (Dn + Dv)), scores cost 2 Hq (Dn + dr) and
         weighted V 2 Hq Dv per key, 3.4x fewer attention FLOPs per key than
         absorbed for DeepSeek-V3 (1,088 against 320 multiply-adds per head).
         History cached before a prefill chunk is read absorbed, as
@@ -156,10 +156,10 @@ def layer_flops(shape: ModelShape, layer: int = 0, num_tokens: int = 1, past: in
         each time and is counted expanded throughout, even for one token, as
         ``minikv.mla.LatentNoCache`` runs it.
 
-    Both add the query path, the down-projection 2 H (R + P) and the output
+    Both add the query path, the down-projection 2 H (r + dr) and the output
     projection 2 Hq Dv H per token. ``mla_form="absorbed"`` or ``"expanded"``
     forces one form for every key (expanded then rebuilds K and V for the
-    ``past`` rows too: 2 Hq R (Dn + Dv) each); other shapes ignore it.
+    ``past`` rows too: 2 Hq r (Dn + Dv) each); other shapes ignore it.
     Returns ``{"projections", "scores", "weighted_v", "mlp", "total"}``.
     """
     shape.need("hidden_size", "num_heads", "intermediate_size", "head_dim", what="FLOPs")

@@ -145,8 +145,8 @@ def _header_lines(rep: dict, shape: ModelShape) -> list[str]:
                                break_on_hyphens=False)
     lines += textwrap.wrap(_shape_line(shape), 100, initial_indent="  shape:  ", subsequent_indent=" " * 10)
     group = f", +{rep['scale_bytes']} B scale per {rep['group_size']} values" if rep["group_size"] else ""
-    lines.append(f"  run:    batch {rep['batch']} x (prompt {rep['prompt_len']} + output {rep['output_len']})"
-                 f" = {_plural(rep['tokens_per_sequence'], 'token')} per sequence")
+    lines.append(f"  run:    batch B = {rep['batch']} x (prompt P = {rep['prompt_len']} + generated G = "
+                 f"{rep['output_len']}) = {_plural(rep['tokens_per_sequence'], 'token')} per sequence")
     lines.append(f"          KV cache in {rep['dtype']} ({rep['dtype_bytes']:g} B/value{group}), "
                  f"weights in {rep['weights_dtype']}")
     if rep["beyond_max_context"]:
@@ -185,7 +185,7 @@ def _flops_lines(rep: dict, shape: ModelShape) -> list[str]:
     with_c, without = rep["flops_with_cache"], rep["flops_without_cache"]
     per_layer = dict(rep["flops_per_layer_with_cache"])
     per_layer["total"] = sum(per_layer.values())
-    labels = {"projections": "projections (q, k, v, o)", "scores": f"attention scores ({ctx} keys)",
+    labels = {"projections": "projections (q, k, v, o)", "scores": f"attention scores (S = {ctx} keys)",
               "weighted_v": "attention-weighted V", "mlp": "MLP", "lm_head": "lm_head (one row of logits)",
               "total": "total"}
     rows = []
@@ -194,12 +194,12 @@ def _flops_lines(rep: dict, shape: ModelShape) -> list[str]:
         rows.append((label, pl, format_count(with_c[k], "FLOP"), format_count(without[k], "FLOP")))
     mean = " (mean)" if shape.is_moe else ""
     lines += _table(rows, ("", f"cached, per layer{mean}", f"cached, {shape.num_layers} layers",
-                           f"no cache (rerun {ctx} tokens)"))
+                           f"no cache (rerun T = {ctx} tokens)"))
     ratio = without["total"] / with_c["total"]
     lines.append(f"  this token costs {ratio:,.1f}x more FLOPs without the cache")
     gen = rep["generation"]
     if gen:
-        lines += ["", f"generating {_plural(gen['new_tokens'], 'token')} after a {rep['prompt_len']}-token prompt, "
+        lines += ["", f"generating G = {_plural(gen['new_tokens'], 'token')} after a P = {rep['prompt_len']}-token prompt, "
                       "one sequence:",
                   f"  {format_count(gen['flops_with_cache'], 'FLOP')} with the cache, "
                   f"{format_count(gen['flops_without_cache'], 'FLOP')} without: "

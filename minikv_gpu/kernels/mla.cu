@@ -51,7 +51,7 @@
 
 namespace mla {
 
-constexpr int R = MLA_R, P = MLA_P, W = MLA_R + MLA_P;
+constexpr int R = MLA_R, P = MLA_P, W = MLA_R + MLA_P;   // the docs' r (kv_lora_rank), dr (RoPE dim), Dl = r + dr
 constexpr int VECS = W / VEC;                    // 8-element vectors per latent row (DeepSeek-V3: 72)
 constexpr int VALUE_VECS = R / VEC;              // ... of them values (64)
 constexpr int QCH = (VECS + 31) / 32;            // vectors per lane: lane l holds l, l + 32, ... (3)
