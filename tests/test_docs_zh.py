@@ -2,8 +2,10 @@
 
 tests/test_docs.py holds docs/zh/*.md to every check of the English pages (links, repository paths and
 names in code spans, test references, `minikv ...` commands, python blocks, unbroken code spans).
-Here: the zh pages exist and the zh index links them.
-Parity: every number on a translated English page appears on its Chinese page.
+Here: every English page has a Chinese page, and the zh index links them all.
+Parity: every number of an English page appears on its Chinese page; every interview question (## Qn.)
+and every claim (## n.) of the English guide has its Chinese counterpart with the same number, and the
+same tests back it.
 The glossary: every row has three non-empty cells (English | 中文 | definition).
 """
 
@@ -18,8 +20,8 @@ from test_docs import _read
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ZH = DOCS / "zh"
-TRANSLATED = ["06_window.md"]  # English pages with a Chinese version held to the number-parity rule
-REQUIRED = ["index.md", "glossary.md", *TRANSLATED]
+TRANSLATED = sorted(p.name for p in DOCS.glob("*.md"))  # every English page has a Chinese version
+REQUIRED = ["index.md", "glossary.md", *[n for n in TRANSLATED if n != "index.md"]]
 
 # A number: digits, optional thousands commas and decimals, an optional "x" (a ratio such as 2.82x).
 # ASCII look-arounds, so that a number next to a Chinese character still counts.
@@ -45,6 +47,22 @@ def test_zh_index_links_every_translated_page():
 def test_zh_page_keeps_every_number_of_the_english_page(name):
     missing = _numbers(_read(DOCS / name)) - _numbers(_read(ZH / name))
     assert not missing, f"zh/{name} lacks numbers of docs/{name}: {sorted(missing)}"
+
+
+def _headings(text: str, pattern: str) -> dict[str, str]:
+    """Section number -> its body, for headings such as "## Q7." or "## 12."."""
+    parts = re.split(rf"(?m)^## ({pattern})\.", text)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.mark.parametrize("name, pattern", [("interview.md", r"Q\d+"), ("claims.md", r"\d+")])
+def test_every_question_and_claim_has_its_counterpart(name, pattern):
+    en, zh = _headings(_read(DOCS / name), pattern), _headings(_read(ZH / name), pattern)
+    assert list(en) == list(zh), f"zh/{name} sections {list(zh)} differ from docs/{name}'s {list(en)}"
+    for key, body in en.items():
+        tests = set(re.findall(r"tests/[\w/]+\.py::\w+", body))
+        missing = tests - set(re.findall(r"tests/[\w/]+\.py::\w+", zh[key]))
+        assert not missing, f"zh/{name} section {key} lacks the tests of the English one: {sorted(missing)}"
 
 
 def test_glossary_rows_have_three_non_empty_cells():
