@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test install install-test notebooks bench lint exercise clean
+.PHONY: demo test install install-test notebooks docs bench lint exercise clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 # torch==2.13.0 is pinned: it resolves to a CPU wheel; a plain `torch` pulls GBs of CUDA.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,ref,notebooks]"
+	$(PIP) -e ".[dev,ref,notebooks,docs]"
 	$(PIP) "nvidia-cuda-nvrtc==13.0.*"  # libnvrtc: the kernels also compile as CuPy compiles them (no GPU needed)
 	touch $@
 
@@ -49,6 +49,12 @@ test: install-test
 notebooks: install-test
 	$(PY) notebooks/execute.py
 
+# The docs site into site/ (mkdocs.yml): docs/, docs/zh/ and the committed notebooks (not executed), offline.
+# tests/test_site.py builds it with --strict and opens every page in headless Chromium.
+MKDOCS_FLAGS ?= --strict
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build $(MKDOCS_FLAGS)
+
 bench: install-test
 	$(PY) benchmarks/decode_cpu.py
 	$(PY) benchmarks/paged_memory.py
@@ -65,4 +71,4 @@ exercise: install-test
 	$(PY) -m exercises $(EX)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site site-screenshots
