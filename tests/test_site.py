@@ -236,9 +236,14 @@ return {imgs: imgs, h1: (article.querySelector("h1") || {}).textContent || "", t
 """
 
 WAIT_MATHJAX_JS = """
-const done = arguments[arguments.length - 1];
-if (!window.MathJax || !window.MathJax.Hub) { done("MathJax did not load"); return; }
-MathJax.Hub.Queue(() => done("ok"));
+const done = arguments[arguments.length - 1], start = Date.now();
+// MathJax.isReady: its startup is over (the page's config has queued its Typeset); then wait for that queue
+const tick = () => {
+  if (window.MathJax && MathJax.isReady) { MathJax.Hub.Queue(() => done("ok")); }
+  else if (Date.now() - start > 30000) { done(window.MathJax ? "MathJax did not start" : "MathJax did not load"); }
+  else { setTimeout(tick, 50); }
+};
+tick();
 """
 
 
