@@ -63,7 +63,7 @@ bench: install-test
 	$(PY) benchmarks/kv_quant_quality.py
 
 lint: install-test
-	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks notebooks
+	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks exercises notebooks docs_site
 
 # One exercise (exercises/README.md): the step's own tests run on your function, e.g. make exercise EX=ring_slot.
 # With no EX: the list of exercises.

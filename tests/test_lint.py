@@ -1,4 +1,4 @@
-"""ruff (configured in pyproject.toml) passes on the code, tests, benchmarks, exercises and notebooks."""
+"""ruff (configured in pyproject.toml) passes on the code, tests, benchmarks, exercises, notebooks and the docs site's hooks."""
 
 import shutil
 import subprocess
@@ -14,6 +14,6 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
         pytest.fail("ruff is not installed; it comes with the dev extra: pip install -e '.[dev]'")
-    proc = subprocess.run([ruff, "check", "minikv", "minikv_gpu", "tests", "benchmarks", "exercises", "notebooks"],
+    proc = subprocess.run([ruff, "check", "minikv", "minikv_gpu", "tests", "benchmarks", "exercises", "notebooks", "docs_site"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

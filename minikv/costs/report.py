@@ -199,8 +199,8 @@ def _flops_lines(rep: dict, shape: ModelShape) -> list[str]:
     lines.append(f"  this token costs {ratio:,.1f}x more FLOPs without the cache")
     gen = rep["generation"]
     if gen:
-        lines += ["", f"generating G = {_plural(gen['new_tokens'], 'token')} after a P = {rep['prompt_len']}-token prompt, "
-                      "one sequence:",
+        lines += ["", f"generating G = {_plural(gen['new_tokens'], 'token')} after a P = {rep['prompt_len']}-token "
+                      "prompt, one sequence:",
                   f"  {format_count(gen['flops_with_cache'], 'FLOP')} with the cache, "
                   f"{format_count(gen['flops_without_cache'], 'FLOP')} without: "
                   f"{gen['speedup']:,.1f}x more work without it"]
