@@ -1,4 +1,4 @@
-"""ruff (configured in pyproject.toml) passes on the code, tests, benchmarks, exercises, notebooks and the docs site's hooks."""
+"""ruff (configured in pyproject.toml) passes on the code, tests, benchmarks, exercises, notebooks, docs_site."""
 
 import shutil
 import subprocess
