@@ -14,6 +14,6 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
         pytest.fail("ruff is not installed; it comes with the dev extra: pip install -e '.[dev]'")
-    proc = subprocess.run([ruff, "check", "minikv", "minikv_gpu", "tests", "benchmarks", "exercises", "notebooks", "docs_site"],
-                          cwd=ROOT, capture_output=True, text=True)
+    paths = ["minikv", "minikv_gpu", "tests", "benchmarks", "exercises", "notebooks", "docs_site"]
+    proc = subprocess.run([ruff, "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
