@@ -38,13 +38,16 @@ comes from the caller (``OffloadPolicy(compute_s=...)``); this module knows no m
 The GPU wing (where a subclass hooks in)
 ----------------------------------------
 Every copy goes through ``CacheStorage``: ``demote(dev, host)``, ``promote(host, dev, prefetch)``,
-and ``before_step()``, called by ``OffloadPolicy`` before each step (no-op here). The NumPy storage
-copies at once through the cache's ``_swap_out_blocks``/``_swap_in_blocks``. A device version
-puts the host pool in pinned memory (its ``_new_pool(host=True)``), issues both copy kinds on a
-copy stream, records one event per copy batch, makes the compute stream wait on the pending
-events in ``before_step`` (a demoted block is rewritten and a promoted one read by the next
-step), and keeps a freed host block out of ``host_allocator`` until the event of the copy reading
-it has completed (``release_host``). The bookkeeping here is the same on both.
+``release_host(host_id)`` and ``before_step()``. The NumPy storage copies at once through the
+cache's ``_swap_out_blocks``/``_swap_in_blocks`` (``minikv_gpu.paged`` overrides those with
+synchronous staged copies, so a tier already runs there). An asynchronous version subclasses
+``CacheStorage`` and is passed as ``OffloadTier(..., storage=...)``: the host pool in pinned
+memory (the cache's ``_new_pool(host=True)``), both copy kinds issued on a copy stream with one
+event recorded per batch; ``before_step`` makes the compute stream wait on the pending events, and
+the device cache calls ``self.blocks.tier.storage.before_step()`` at the end of its ``_reserve``
+(after the step's allocations demoted what they evict, before ``write`` overwrites those blocks
+or ``attend`` reads promoted ones); ``release_host`` keeps a host block out of ``host_allocator``
+until the event of the last copy reading it has completed. The bookkeeping here stays as it is.
 """
 
 from __future__ import annotations
@@ -390,7 +393,6 @@ class OffloadPolicy(PagedPolicy):
             room = cache.num_free_blocks - len(sched.running) - sched.watermark_blocks
             self.tier.prefetch([s.tokens for s in sched.waiting[:self.lookahead]], max(room, 0))
         self.tier.end_step(seconds)
-        self.tier.storage.before_step()
 
 
 __all__ = ["CacheStorage", "HostEntry", "LINKS", "Link", "OffloadPolicy", "OffloadTier", "TierStats"]

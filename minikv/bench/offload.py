@@ -126,7 +126,7 @@ def _side(stats, policy: OffloadPolicy) -> dict:
     return out
 
 
-def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, host_blocks: int = 128,
+def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, host_blocks: int = 64,
                       block_size: int = 16, link: str = "pcie5", max_step_tokens: int = 128) -> dict:
     """Run the trace: unlimited pool (reference), small pool alone, small pool + tier per policy."""
     check_int("device_blocks", device_blocks)

@@ -57,7 +57,8 @@ def _bench_offload(args) -> int:
     from minikv.errors import check_int
     from minikv.paged import num_blocks_for
 
-    trace = ChatTrace(seed=args.seed)
+    trace = ChatTrace(conversations=check_int("--conversations", args.conversations, error=InvalidInputError),
+                      seed=args.seed)
     need = num_blocks_for(trace.max_len(), args.block_size)
     check_int("--device-blocks", args.device_blocks, minimum=need, error=InvalidInputError,
               hint=f"the trace's longest request ({trace.max_len()} tokens) needs {need} blocks of --block-size")
@@ -92,8 +93,9 @@ def add_bench(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    p.add_argument("--conversations", type=int, default=24, help="offload: conversations in the trace (default 24)")
     p.add_argument("--device-blocks", type=int, default=48, help="offload: device pool blocks (default 48)")
-    p.add_argument("--host-blocks", type=int, default=128, help="offload: host tier blocks (default 128)")
+    p.add_argument("--host-blocks", type=int, default=64, help="offload: host tier blocks (default 64)")
     p.add_argument("--link", choices=sorted(LINKS), default="pcie5", help="offload: host link (default pcie5)")
     p.add_argument("--json", action="store_true", help="print one JSON line last (batching: paged, contiguous, "
                    "ratios; offload: policies, device_only, outputs_identical)")
