@@ -25,7 +25,9 @@ What moves, and when
 A hit is never wrong: like the device table, a host entry is checked against the block's token
 ids *and* its parent's identity. Each block carries a ``stamp``, the identity of its first life on
 the device; a promoted block keeps it (``Block.canon``), so a chain stays linked through any number
-of round trips, and a hash collision only costs a miss.
+of round trips, and a hash collision only costs a miss. (A block recomputed while its twin sits on
+the host, e.g. one the "leave a token to run" rule recomputes, keeps an identity of its own: its
+children on the host are found only while it is on the device. A lost hit, never a wrong one.)
 
 The cost model
 --------------
@@ -101,9 +103,7 @@ class TierStats:
     hidden_s: float = 0.0      # transfer time under compute
     stall_s: float = 0.0       # transfer time the steps waited for
 
-    @property
-    def bytes_moved(self) -> int:
-        return self.bytes_d2h + self.bytes_h2d
+    bytes_moved = property(lambda self: self.bytes_d2h + self.bytes_h2d)
 
     def summary(self) -> dict:
         return {**asdict(self), "bytes_moved": self.bytes_moved}

@@ -38,6 +38,17 @@ PRICED_AS = ("llama3-8b", "fp16")
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 (NVIDIA H100 Tensor Core GPU datasheet)
 PEAK_FLOPS = 989e12        # H100 SXM dense bf16 (same datasheet)
 BENCH_POLICIES = ("lru", "arc", "seen_twice")
+DEFINITIONS = {
+    "hit_rate": "prompt tokens of first admissions found cached (device prefix cache, or the host tier and "
+                "promoted) / prompt tokens",
+    "host_hit_rate": "full prompt blocks the device missed that the host served / full prompt blocks the device missed",
+    "bytes_moved": "device->host + host->device bytes, blocks priced as priced_as",
+    "stall_s": "transfer time steps waited for: promotions not prefetched, demotions, prefetch beyond its "
+               "step's compute",
+    "hidden_s": "prefetch transfer time under a step's compute",
+    "compute_s": "sum over steps of max((weights + kv_tokens x kv_bytes_per_token) / HBM, 2 params tokens / peak)",
+    "max_concurrency": "most sequences running in one step (the admitted concurrency)",
+}
 
 
 @dataclass(frozen=True)
@@ -158,7 +169,8 @@ def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, h
     return {"trace": asdict(trace), "device_blocks": device_blocks, "host_blocks": host_blocks,
             "block_size": block_size, "max_step_tokens": max_step_tokens, "link": link,
             "link_bytes_per_s": LINKS[link].bytes_per_s, "priced_as": priced, "kv_bytes_per_block": block_bytes,
-            "policies": policies, "device_only": device_only, "outputs_identical": identical}
+            "policies": policies, "device_only": device_only, "outputs_identical": identical,
+            "definitions": DEFINITIONS}
 
 
 def format_offload(res: dict) -> str:
