@@ -285,6 +285,7 @@ class OffloadTier:
         Copies made here, and the demotions their allocations cause, overlap the step's compute.
         The prompt's own device hits are held meanwhile, so the prefetch never evicts them.
         """
+        check_int("max_blocks", max_blocks, minimum=0, error=InvalidInputError, hint="0 prefetches nothing")
         done, self._in_prefetch = 0, True
         try:
             for tokens in prompts:

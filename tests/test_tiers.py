@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.bench.offload import ChatTrace, run_trace
-from minikv.errors import ConfigError, OutOfBlocksError
+from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
 from minikv.generate import paged_cache
 from minikv.paged import PagedKVCache
 from minikv.random_models import random_mla_model, random_model
@@ -212,9 +212,13 @@ def test_a_tier_refuses_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="link"):
         OffloadTier(build(M64, None, 8, 4), "lru", link="pcie9")
     cache = build(M64, None, 8, 4)
-    OffloadTier(cache, "lru")
+    tier = OffloadTier(cache, "lru")
     with pytest.raises(ConfigError, match="fresh cache"):
         OffloadTier(cache, "arc")
+    with pytest.raises(InvalidInputError, match="max_blocks"):
+        tier.prefetch([[1, 2, 3]], -1)
+    with pytest.raises(InvalidInputError, match="compute_s"):
+        tier.end_step(float("nan"))
 
 
 # -- random operation sequences --------------------------------------------------------------------------
