@@ -23,7 +23,8 @@ is token-for-token identical, whatever ``hash_fn`` does.
 
 Freed full blocks keep their contents and hash in an LRU list. They count as
 free, but until a new allocation evicts them (least recently freed first) a
-later prefix hit revives them.
+later prefix hit revives them. ``on_evict(block)``, when set (a host tier,
+``minikv.tiers``), sees each evicted block while its contents are still valid.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Block:
     parent:     identity ``(block_id, generation)`` of the previous block in its
                 chain (None for a sequence's first block); compared on every hit
     canon:      the identity children should record as their parent: the block
-                itself, or the equal block already in the hash table
+                itself, or the equal block already in the hash table (a block
+                promoted from a host tier keeps the stamp of its first life)
     generation: bumped on every (re)allocation, so an identity recorded before
                 a block was recycled can never match its new contents
     """
@@ -117,6 +119,7 @@ class BlockAllocator:
         self._cached_free: OrderedDict = OrderedDict()  # block_id -> None, least recently freed first
         self._table: dict = {}  # hash -> block_id (only blocks in use or cached-free)
         self.evictions = 0
+        self.on_evict: Callable[[Block], None] | None = None  # called before an evicted block is reused
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -151,6 +154,8 @@ class BlockAllocator:
             bid, _ = self._cached_free.popitem(last=False)
             b = self.blocks[bid]
             del self._table[b.hash]  # a cached-free block is always its hash's table entry
+            if self.on_evict is not None:
+                self.on_evict(b)  # e.g. copied to a host tier: nothing has overwritten it yet
             b.forget()
             self.evictions += 1
         else:
@@ -220,8 +225,12 @@ class BlockAllocator:
             if b.token_ids != toks or b.parent != parent:
                 break  # a collision: same hash, other contents or other prefix
             out.append(bid)
-            prefix_hash, parent = h, b.identity
+            prefix_hash, parent = h, b.canon  # a table entry's canon: itself (or its host-tier stamp)
         return out
+
+    def lookup(self, hash_value: int) -> int | None:
+        """The block registered under ``hash_value`` (in use or cached-free), or None."""
+        return self._table.get(hash_value)
 
     def register(self, block_id: int, prev_id: int | None, token_ids: Sequence[int]) -> None:
         """Record that full block ``block_id`` holds ``token_ids`` after ``prev_id`` (None: first block).
@@ -251,7 +260,7 @@ class BlockAllocator:
         else:
             w = self.blocks[winner]
             equal = w.token_ids == toks and w.parent == parent
-            b.canon = w.identity if equal else b.identity  # a real collision: b stays unreachable
+            b.canon = w.canon if equal else b.identity  # a real collision: b stays unreachable
 
     def check(self) -> None:
         """Assert the allocator's own invariants (for tests and debugging)."""

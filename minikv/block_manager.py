@@ -103,6 +103,7 @@ class BlockManager:
                                if self.num_host_blocks else None)
         self.seqs: dict = {}
         self._pending: list | None = None  # reservations of the open step, None when no step is open
+        self.tier = None  # a host offload tier (minikv.tiers.OffloadTier) extends prefix hits from the host
         # counters for benchmarks and tests
         self.cow_copies = 0
         self.prefix_query_tokens = 0
@@ -201,6 +202,8 @@ class BlockManager:
     def _add(self, seq_id, tokens: list | None, hit: list[int]) -> int:
         for bid in hit:
             self.allocator.incref(bid)
+        if self.tier is not None and tokens is not None:
+            hit = hit + self.tier.extend_hit(tokens, hit)  # promoted host blocks, each already held once
         n = len(hit) * self.block_size
         self.seqs[seq_id] = SeqState(block_table=list(hit), length=n, token_ids=tokens, num_registered=len(hit))
         if tokens is not None and self.allocator.enable_prefix_caching:

@@ -51,21 +51,52 @@ def _bench_batching(args) -> int:
     return 0
 
 
-BENCHES = {"batching": _bench_batching}  # name -> run(args); add a benchmark by adding an entry
+def _bench_offload(args) -> int:
+    from minikv.bench.machine import describe, machine_info
+    from minikv.bench.offload import ChatTrace, format_offload, offload_benchmark
+    from minikv.errors import check_int
+    from minikv.paged import num_blocks_for
+
+    trace = ChatTrace(conversations=check_int("--conversations", args.conversations, error=InvalidInputError),
+                      seed=args.seed)
+    need = num_blocks_for(trace.max_len(), args.block_size)
+    check_int("--device-blocks", args.device_blocks, minimum=need, error=InvalidInputError,
+              hint=f"the trace's longest request ({trace.max_len()} tokens) needs {need} blocks of --block-size")
+    check_int("--host-blocks", args.host_blocks, error=InvalidInputError, hint="the tier needs a host pool")
+    res = offload_benchmark(trace, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                            block_size=args.block_size, link=args.link)
+    print(format_offload(res))
+    print(describe(machine_info()))
+    if args.json:
+        print_json(res)
+    return 0
+
+
+# name -> run(args); add a benchmark by adding an entry
+BENCHES = {"batching": _bench_batching, "offload": _bench_offload}
 
 
 def add_bench(sub) -> None:
     from minikv.scheduler import PREEMPTION_MODES
+    from minikv.tiers import LINKS
 
-    p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory)",
+    p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory; "
+                                     "offload: a host tier for paged blocks)",
                        description="batching: continuous batching of a synthetic workload (lognormal lengths, "
                                    "shared system prompt) on a tiny random model, paged vs a contiguous "
-                                   "cache reserving max length, at the same KV budget in bytes.")
+                                   "cache reserving max length, at the same KV budget in bytes. offload: a "
+                                   "multi-turn chat trace on a small device pool, alone and with a host tier "
+                                   "per policy (lru, arc, seen_twice); transfers priced by a link model.")
     p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("--requests", type=int, default=160, help="requests in the workload (default 160)")
     p.add_argument("--kv-budget-mib", type=float, default=4.0, help="KV memory budget in MiB (default 4)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument("--seed", type=int, default=0, help="workload and model seed")
-    p.add_argument("--json", action="store_true", help="print one JSON line last (paged, contiguous, ratios)")
+    p.add_argument("--conversations", type=int, default=24, help="offload: conversations in the trace (default 24)")
+    p.add_argument("--device-blocks", type=int, default=48, help="offload: device pool blocks (default 48)")
+    p.add_argument("--host-blocks", type=int, default=64, help="offload: host tier blocks (default 64)")
+    p.add_argument("--link", choices=sorted(LINKS), default="pcie5", help="offload: host link (default pcie5)")
+    p.add_argument("--json", action="store_true", help="print one JSON line last (batching: paged, contiguous, "
+                   "ratios; offload: policies, device_only, outputs_identical)")
     p.set_defaults(func=lambda args: BENCHES[args.name](args))
