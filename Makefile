@@ -22,7 +22,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 # torch==2.13.0 is pinned: it resolves to a CPU wheel; a plain `torch` pulls GBs of CUDA.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,ref,notebooks]"
+	$(PIP) -e ".[dev,ref,notebooks,parallel]"
 	$(PIP) "nvidia-cuda-nvrtc==13.0.*"  # libnvrtc: the kernels also compile as CuPy compiles them (no GPU needed)
 	touch $@
 

@@ -354,9 +354,23 @@ def from_flags(model: Model, tp: int | None, cp: int | None) -> Model | Parallel
     if tp is None and cp is None:
         return model
     pm = ParallelModel(model, tp=1 if tp is None else tp, cp=1 if cp is None else cp)
+    if pm.world.size > 1:
+        _abort_on_uncaught(pm.world)
     if pm.world.rank != 0:
         quiet_output()
     return pm
+
+
+def _abort_on_uncaught(world) -> None:
+    """An exception no handler catches prints its traceback, then aborts every rank (mpi4py's advice)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        world.comm.Abort(1)
+
+    sys.excepthook = hook
 
 
 class _ErrorsOnly:
@@ -377,6 +391,9 @@ class _ErrorsOnly:
 
     def isatty(self) -> bool:
         return False
+
+    def __getattr__(self, name):  # encoding, fileno, ... of the real stream
+        return getattr(self.stream, name)
 
 
 def quiet_output() -> None:

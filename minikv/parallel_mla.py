@@ -157,13 +157,13 @@ class StripedLatentCache(KVCacheBase):
         return self.inner.bytes_per_token() / self.cp
 
 
-def striped_cache(kind: str, local_model, group: Collectives, max_len: int, max_seqs: int = 1,
+def striped_cache(kind: str, local_model, ranks: Collectives, max_len: int, max_seqs: int = 1,
                   block_size: int = 16, **options) -> StripedLatentCache:
     """A ``StripedLatentCache`` over a ``kind`` latent cache of ``ceil(max_len / cp)`` tokens per sequence."""
     from minikv.generate import make_cache
 
     if kind not in STRIPED_KINDS:
-        raise ConfigError(f"cache {kind!r} with cp={group.size}: context parallelism stripes a cache that keeps "
+        raise ConfigError(f"cache {kind!r} with cp={ranks.size}: context parallelism stripes a cache that keeps "
                           f"every token; use one of {STRIPED_KINDS}")
-    inner = make_cache(kind, local_model, -(-int(max_len) // group.size), max_seqs, block_size, **options)
-    return StripedLatentCache(inner, group)
+    inner = make_cache(kind, local_model, -(-int(max_len) // ranks.size), max_seqs, block_size, **options)
+    return StripedLatentCache(inner, ranks)
