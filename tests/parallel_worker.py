@@ -197,10 +197,33 @@ def abort() -> None:
     print(f"rank {world.rank} finished", flush=True)
 
 
+def device(outdir: str) -> None:
+    """tp = world size with each rank's share on its device (the simulator without a GPU); rank 0 writes
+    the teacher-forced logits of a GQA and an MLA model."""
+    from mpi4py import MPI
+
+    from minikv_gpu.parallel import DeviceParallelModel
+
+    world = MPI.COMM_WORLD
+    gqa = dict(kind="gqa", num_heads=9, num_kv_heads=3, hidden_size=36, intermediate_size=50, vocab_size=97)
+    mla = dict(kind="mla", mla=dict(kv_lora_rank=16, qk_rope_head_dim=8))  # the GPU kernel's multiples of 8
+    for name, spec in (("device-gqa", gqa), ("device-mla", mla)):
+        pm = DeviceParallelModel(build_model(spec, "float32"), tp=world.size, comm=world)
+        kv = pm.new_cache(1, 8)
+        kv.add_sequence(0)
+        ids = [5, 17, 3, 88, 41, 9, 60, 2]
+        rows = [pm.rt.asnumpy(pm.forward([ids[:5]], kv, all_logits=True))]
+        rows += [pm.rt.asnumpy(pm.forward([[t]], kv)) for t in ids[5:]]
+        if world.rank == 0:
+            np.savez(Path(outdir) / f"{name}.npz", logits=np.concatenate(rows), ids=np.array(ids),
+                     collectives=len(pm.trace))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     try:
-        {"cases": lambda: cases(*sys.argv[2:4]), "faults": faults, "abort": abort}[mode]()
+        {"cases": lambda: cases(*sys.argv[2:4]), "faults": faults, "abort": abort,
+         "device": lambda: device(sys.argv[2])}[mode]()
     except Exception:  # a bug in a case: abort every rank rather than leave them in a collective
         import traceback
 

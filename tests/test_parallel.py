@@ -34,6 +34,7 @@ GQA = dict(kind="gqa", num_heads=9, num_kv_heads=3, hidden_size=36, intermediate
 MQA = dict(kind="gqa", num_heads=6, num_kv_heads=1, head_dim=6, hidden_size=30, intermediate_size=40, vocab_size=89)
 MLA = dict(kind="mla")
 MLA_QLORA = dict(kind="mla", mla=dict(q_lora_rank=7))
+DEVICE_MLA = dict(kind="mla", mla=dict(kv_lora_rank=16, qk_rope_head_dim=8))  # the GPU kernel's multiples of 8
 IDS = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 50]  # 12 tokens: 12 / cp is whole for cp = 1, 2, 3
 PROMPT, NEW = [7, 1, 42, 19], 8                   # generation fills 4 + 8 = 12 slots too
 
@@ -67,10 +68,10 @@ def mpiexec() -> str:
     return found
 
 
-def mpirun(n: int, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def mpirun(n: int, *args: str, timeout: float = 150, env: dict | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n n ARGS`` on this machine, in its own process group, killed whole after ``timeout``."""
     pytest.importorskip("mpi4py", reason='install the parallel extra: pip install -e ".[parallel]"')
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     cmd = [mpiexec(), "-launcher", "fork", "-n", str(n), *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                          start_new_session=True)
@@ -255,6 +256,20 @@ def test_an_error_inside_a_layer_aborts_every_rank_instead_of_hanging():
     assert r.returncode != 0
     assert "minikv: error: rank 1: RuntimeError: attention broke on rank 1 (aborting all 3 ranks)" in r.stderr
     assert "finished" not in r.stdout
+
+
+def test_the_gpu_wing_runs_each_rank_on_the_simulator(tmp_path):
+    """minikv_gpu.parallel: each rank's share on its own device (here the CPU simulator), host-staged
+    collectives; equal to the NumPy model in one process within the kernels' bar."""
+    from minikv.bench.equivalence import KERNEL_RTOL
+
+    r = mpirun(3, sys.executable, WORKER, "device", str(tmp_path), env={"MINIKV_GPU_BACKEND": "sim"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    for name, spec in (("device-gqa", GQA), ("device-mla", DEVICE_MLA)):
+        got = np.load(tmp_path / f"{name}.npz")
+        want = build_model(spec, "float32").logits(got["ids"].tolist())
+        assert_close(got["logits"], want, rtol=KERNEL_RTOL, what=name)
+        assert int(got["collectives"]) == 1 + 1 + 2 * 2 + 1  # flag, embedding, 2 per layer, logits
 
 
 # --- the command line -----------------------------------------------------------------------------------
