@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from minikv.collectives import Collectives, agree, mpi_world
-from minikv.errors import ConfigError, MinikvError, ParallelError, ShapeError, check_int
+from minikv.errors import ConfigError, InvalidInputError, MinikvError, ParallelError, ShapeError, check_int
 from minikv.layers import rms_norm
 from minikv.model import (
     LayerWeights,
@@ -163,6 +163,8 @@ class ParallelModel:
     What the loops use: ``config`` (the whole model's), ``dtype``, ``check_tokens``, ``forward``
     (``Model.forward``'s contract; every rank returns the same logits), ``logits`` (uncached),
     ``make_cache`` (this rank's cache) and ``generate`` (the generation loop, for the CLI).
+    model: a ``Model``, or anything with its ``config``, ``weights`` and ``dtype``: the weights are only
+    sliced, so memory-mapped arrays (``np.load(mmap_mode="r")``) make each rank read just its share.
     comm: an mpi4py communicator of tp x cp ranks (default ``COMM_WORLD``; a single process needs none).
     After each forward ``trace`` lists its collectives (``Collective``); ``moved`` accumulates them.
     """
@@ -308,7 +310,7 @@ def generate(model: ParallelModel, prompt_ids: Sequence[int], max_new_tokens: in
 
     sampling = GREEDY if sampling is None else sampling
     (prompt,) = model.check_tokens([prompt_ids])
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0, error=InvalidInputError)
     spec = cache_kind(cache)
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     result = GenerationResult(prompt_ids=prompt.tolist(), cache=cache)

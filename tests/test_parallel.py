@@ -314,6 +314,14 @@ def test_cli_generate_and_perplexity_across_ranks_equal_one_process(capsys, tmp_
 
 
 def test_cli_refuses_a_world_that_is_not_tp_ranks_on_every_rank(checkpoints):
-    r = _cli(2, "generate", "--model", str(checkpoints["llama"]), "--prompt-ids", "1,2", "--tp", "3")
+    gen = ["generate", "--model", str(checkpoints["llama"]), "--prompt-ids", "1,2"]
+    r = _cli(2, *gen, "--tp", "3")
     assert r.returncode == 2
     assert r.stderr.count("minikv: error: ParallelError: tp=3 x cp=1 needs 3 MPI ranks, but this run has 2") == 2
+    r = _cli(2, *gen)  # mpiexec without --tp: two copies of one run would each print
+    assert r.returncode == 2
+    assert r.stderr.count("ParallelError: this command runs on 2 MPI ranks but has no --tp or --cp; pass --tp 2") == 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "minikv", *gen, "--tp", "2"], capture_output=True, text=True, env=env,
+                       timeout=120)  # no mpiexec: a world of one
+    assert r.returncode == 2 and "start it with mpiexec -n 2" in r.stderr and r.stderr.count("\n") == 1

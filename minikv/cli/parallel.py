@@ -9,9 +9,10 @@ but for their errors). The library side is ``minikv.parallel``.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
-from minikv.errors import ConfigError
+from minikv.errors import ConfigError, ParallelError
 
 
 def add_parallel_flags(p) -> None:
@@ -23,9 +24,20 @@ def add_parallel_flags(p) -> None:
                         "on rank p mod CP); with --tp the world is TP x CP ranks")
 
 
+def launched_ranks() -> int:
+    """How many ranks mpiexec started, from its environment (MPICH's PMI_SIZE, Open MPI's), without MPI."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
 def runner_of(args, model):
     """``model`` itself without --tp/--cp, else this rank's ``minikv.parallel.ParallelModel``."""
     if args.tp is None and args.cp is None:
+        if launched_ranks() > 1:  # P copies of one run would each print, and compute everything P times
+            raise ParallelError(f"this command runs on {launched_ranks()} MPI ranks but has no --tp or --cp; pass "
+                                f"--tp {launched_ranks()} (or --tp T --cp C with T x C = {launched_ranks()})")
         return model
     from minikv.parallel import from_flags
 
