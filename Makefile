@@ -55,6 +55,7 @@ bench: install-test
 	$(PY) benchmarks/mla_decode.py
 	$(PY) benchmarks/nvcc_report.py
 	$(PY) benchmarks/kv_quant_quality.py
+	$(PY) benchmarks/parallel.py
 
 lint: install-test
 	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks notebooks

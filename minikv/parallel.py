@@ -43,8 +43,8 @@ cache step or positions were refused sets it, and then every rank raises (the ot
 ``RankFailedError`` naming the rank and its message) before any layer collective, so nobody
 hangs. ``abort_on_error`` is the backstop for errors after that point: it aborts the communicator.
 
-The GPU wing (planned, see docs draft): one rank per GPU, the same loop over CuPy arrays, with
-``Collectives`` on ``cupy.cuda.nccl`` (or CUDA-aware MPI, which takes CuPy buffers directly).
+The GPU wing: ``minikv_gpu.parallel`` runs this loop with each rank's share on its device and the
+collectives on device arrays (host-staged, or ``cupy.cuda.nccl``).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class ParallelModel:
     model: a ``Model``, or anything with its ``config``, ``weights`` and ``dtype``: the weights are only
     sliced, so memory-mapped arrays (``np.load(mmap_mode="r")``) make each rank read just its share.
     comm: an mpi4py communicator of tp x cp ranks (default ``COMM_WORLD``; a single process needs none).
-    After each forward ``trace`` lists its collectives (``Collective``); ``moved`` accumulates them.
+    After each forward ``trace`` lists its collectives (``Collective``); ``totals`` sums them over the run.
     """
 
     def __init__(self, model: Model, tp: int = 1, cp: int = 1, comm=None):
@@ -177,7 +177,7 @@ class ParallelModel:
                               "model, whose KV heads shard with --tp (use --cp 1)")
         if comm is None and tp * cp > 1:
             comm = mpi_world()
-        self.trace, self.moved = [], []
+        self.trace, self.totals = [], {"collectives": 0, "bytes": 0, "wire_bytes": 0.0}
         self.world = Collectives(comm, "world", self.trace)
         if self.world.size != tp * cp:
             raise ParallelError(f"tp={tp} x cp={cp} needs {tp * cp} MPI ranks, but this run has {self.world.size}; "
@@ -235,11 +235,14 @@ class ParallelModel:
                     positions = None  # the cache rotates by in-cache position: no absolute angles
                 else:
                     self.check_positions(positions)
-            except Exception as e:  # noqa: BLE001  (any failure: every rank must hear of it)
+            except Exception as e:  # any failure: every rank must hear of it
                 err = e
             agree(self.world, err)
             logits = self._run(toks, cache, positions, all_logits)
-        self.moved.extend(self.trace)
+        for c in self.trace:
+            self.totals["collectives"] += 1
+            self.totals["bytes"] += c.bytes
+            self.totals["wire_bytes"] += c.wire_bytes
         return logits
 
     def _run(self, toks: list[np.ndarray], cache, positions, all_logits: bool) -> np.ndarray:
