@@ -74,7 +74,7 @@ from minikv.model import (
 
 def split_even(n: int, parts: int) -> list[range]:
     """``n`` items in ``parts`` contiguous ranges whose sizes differ by at most one, larger first."""
-    q, r = divmod(n, parts)
+    q, r = divmod(check_int("n", n, minimum=0), check_int("parts", parts))
     bounds = np.cumsum([0] + [q + (i < r) for i in range(parts)])
     return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
