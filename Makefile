@@ -22,7 +22,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 # torch==2.13.0 is pinned: it resolves to a CPU wheel; a plain `torch` pulls GBs of CUDA.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,ref,notebooks,docs]"
+	$(PIP) -e ".[dev,ref,notebooks,docs,parallel]"
 	$(PIP) "nvidia-cuda-nvrtc==13.0.*"  # libnvrtc: the kernels also compile as CuPy compiles them (no GPU needed)
 	touch $@
 
@@ -61,6 +61,7 @@ bench: install-test
 	$(PY) benchmarks/mla_decode.py
 	$(PY) benchmarks/nvcc_report.py
 	$(PY) benchmarks/kv_quant_quality.py
+	$(PY) benchmarks/parallel.py
 
 lint: install-test
 	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks exercises notebooks docs_site

@@ -107,3 +107,13 @@ def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigEr
     if val not in tuple(choices):
         raise error(f"{name}={val!r} is not one of {', '.join(repr(c) for c in choices)}")
     return val
+
+
+# --- parallel runs (minikv.parallel) -----------------------------------------------
+
+class ParallelError(MinikvError, RuntimeError):
+    """A parallel (MPI) run cannot go on: mpi4py missing, a world size that is not tp x cp, a failed rank."""
+
+
+class RankFailedError(ParallelError):
+    """Another rank failed a step; every other rank raises this instead of waiting in a collective."""

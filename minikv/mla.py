@@ -348,6 +348,11 @@ class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
         slots = [self._slot[sid] for sid in step.seq_ids]
         return self._attend_with(layer, q, lambda i: lambda k0, k1: self.latent[layer, slots[i], 0, k0:k1])
 
+    def read_latent(self, seq_id, layer: int) -> np.ndarray:
+        """The sequence's stored latents [length, Dl] (committed tokens; ``minikv.parallel_mla`` reads them)."""
+        self._check_layer(layer)
+        return self.latent[layer, self._slot_of(seq_id), 0, :self.length(seq_id)]
+
     def bytes_allocated(self) -> int:
         return self.latent.nbytes
 

@@ -333,6 +333,12 @@ class Model:
         ]
         self.cos, self.sin = rope_tables(c.head_dim, c.max_position, c.rope_theta, self.dtype)
 
+    @property
+    def prepared_layers(self) -> list:
+        """The layers as ``forward`` runs them (``_FusedLayer`` or ``_MLALayer``), for loops that call the
+        branches themselves (``minikv.parallel`` puts an all-reduce after each)."""
+        return self._layers
+
     def new_cache_args(self) -> dict:
         """The cache geometry this model needs: ``Cache(**model.new_cache_args(), ...)``.
 

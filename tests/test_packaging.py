@@ -27,7 +27,7 @@ def _pip_lines_of_environment_yml() -> set[str]:
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     expected = set(project["dependencies"])
-    for extra in ("ref", "dev", "notebooks"):  # "gpu" (CuPy) is optional: environment.yml says how to add it
+    for extra in ("ref", "dev", "notebooks", "docs", "parallel"):  # "gpu" (CuPy) is optional: environment.yml says how
         expected |= set(project["optional-dependencies"][extra])
     listed = _pip_lines_of_environment_yml()
     assert "-e ." in listed, "environment.yml must install minikv itself"

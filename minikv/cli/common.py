@@ -57,6 +57,8 @@ INT_FLAGS = {
     "--budget": (1, MAX_COUNT, "keys kept per layer and KV head, e.g. 128"),
     "--recent": (0, MAX_COUNT, "H2O's protected latest tokens, at most --budget (default budget // 2)"),
     "--obs-window": (1, MAX_COUNT, "SnapKV's observation window, fewer than --budget, e.g. 32"),
+    "--tp": (1, MAX_COUNT, "tensor-parallel MPI ranks: run under mpiexec -n TP (x CP)"),
+    "--cp": (1, MAX_COUNT, "context-parallel MPI ranks of an MLA model: run under mpiexec -n CP (x TP)"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {

@@ -25,6 +25,7 @@ from minikv.cli.common import (
     require_tokenizer,
     resolve_cache,
 )
+from minikv.cli.parallel import add_parallel_flags, guard, is_parallel, json_fields, perplexity_factory, runner_of
 from minikv.cli.text import cache_help
 from minikv.errors import InvalidInputError, check_int
 from minikv.generate import CACHE_KINDS
@@ -53,6 +54,7 @@ def add_perplexity(sub) -> None:
     p.add_argument("--nll-file", metavar="FILE", default=None,
                    help="with a lossy cache: write the per-position NLL of both runs to FILE as JSON")
     add_model_flag(p)
+    add_parallel_flags(p)
     p.set_defaults(func=_run_perplexity)
 
 
@@ -103,7 +105,13 @@ def _measure(model, ids, args, factory, bar) -> dict:
     """The run: ``perplexity``, or with a quantized --kv-dtype ``perplexity_vs_exact`` against the plain cache."""
     from minikv.perplexity import perplexity, perplexity_vs_exact
 
-    if factory is None:
+    made = None
+    if is_parallel(model):  # the rank's caches; no comparison with the exact run (that is one process's)
+        rank_factory, made = perplexity_factory(args, model)
+        res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
+                         cache_factory=rank_factory, progress=bar.update)
+        res.update(json_fields(model, model.cache_bytes_per_rank(made[-1])))
+    elif factory is None:
         res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
                          progress=bar.update)
     else:
@@ -115,7 +123,7 @@ def _measure(model, ids, args, factory, bar) -> dict:
     out = {**res, "kv_dtype": args.kv_dtype or "fp32", "group": args.group if quantized else None,
            "residual": args.residual if quantized and args.kv_dtype.startswith("kivi") else None}
     if args.eviction is not None:
-        out["eviction"] = factory(model, 1).policy.describe()
+        out["eviction"] = (made[-1] if made else factory(model, 1)).policy.describe()
     return out
 
 
@@ -142,8 +150,9 @@ def _run_perplexity(args) -> int:
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
     factory = _lossy_factory(args, model)
-    with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar:
-        res = _measure(model, ids, args, factory, bar)
+    runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
+    with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar, guard(runner):
+        res = _measure(runner, ids, args, factory, bar)
     print(f"{where}: {res['tokens']} tokens, {res['scored_tokens']} scored through the {args.cache} cache "
           f"(kv_dtype {res['kv_dtype']}{_policy_words(res)}, prefill {res['prefill']}): "
           f"mean NLL {res['mean_nll']:.4f} nats, "

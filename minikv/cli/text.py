@@ -17,6 +17,7 @@ from minikv.cli.common import (
     require_tokenizer,
     resolve_cache,
 )
+from minikv.cli.parallel import add_parallel_flags, guard, json_fields, runner_of
 from minikv.errors import InvalidInputError
 from minikv.generate import CACHE_KINDS
 
@@ -35,6 +36,7 @@ def generate_streaming(model, tok, prompt_ids, max_new_tokens: int, bar: str | N
     """
     from minikv.generate import generate
 
+    generate = getattr(model, "generate", generate)  # a ParallelModel (--tp/--cp) brings its own loop
     printer = tok.stream_decoder(skip_special_tokens=True) if tok is not None else _IdPrinter()
     if bar is None:
         res = generate(model, prompt_ids, max_new_tokens,
@@ -103,6 +105,7 @@ def add_generate(sub) -> None:
     add_eviction_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON line last with ids, text and timings")
     add_model_flag(p)
+    add_parallel_flags(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -125,8 +128,10 @@ def _run_generate(args) -> int:
         echo = args.prompt if args.prompt_ids is None else (
             tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
         print(echo, end="", flush=True)
-    res = generate_streaming(model, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
-                             block_size=args.block_size, **quant)
+    runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
+    with guard(runner):
+        res = generate_streaming(runner, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
+                                 block_size=args.block_size, **quant)
     label = args.cache if args.kv_dtype is None else f"{args.cache}, kv_dtype {args.kv_dtype}"
     if policy is not None:
         label += ", " + ", ".join(f"{k} {v}" for k, v in policy.items() if k != "policy")
@@ -140,7 +145,8 @@ def _run_generate(args) -> int:
                     "cache": args.cache, "finish_reason": res.finish_reason,
                     "kv_dtype": args.kv_dtype or "fp32",
                     "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size, **quant),
-                    **({"eviction": policy} if policy is not None else {})})
+                    **({"eviction": policy} if policy is not None else {}),
+                    **json_fields(runner, getattr(runner, "cache_bytes", None))})
     return 0
 
 
