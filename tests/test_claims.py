@@ -376,6 +376,46 @@ def test_seed_kv_sharding_by_layer_and_by_head():
     assert 4 * stage == per_gpu[1]                         # disjoint layers: nothing held twice, nothing gathered
 
 
+
+def test_seed_kv_sharding_with_minikv_parallel():
+    """Claim 45 on minikv.parallel's own plan: heads stay local, KV heads replicate past Hkv, tp = 2 splits
+    unevenly, MLA striping gives each rank 1/cp; the decode trace formula matches the benchmark's trace."""
+    import json
+    from pathlib import Path
+
+    from minikv.collectives import Collective
+    from minikv.costs import get_preset, kv_cache_bytes
+    from minikv.parallel import head_plan, imbalance
+    from minikv.parallel_mla import striped_positions
+
+    smol = get_preset("smollm2-135m")                      # 30 layers, H 576, 9 query / 3 KV heads, V 49152
+    bench = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/parallel.json").read_text())
+    for tp in (1, 2, 3, 9):                                # every query head once, next to the KV head it reads
+        plan = head_plan(smol.num_heads, smol.num_kv_heads, tp)
+        assert sorted(q for h in plan for q in h.q) == list(range(9)) and all(q // 3 in h.kv for h in plan for q in h.q)
+
+    def cache_per_rank(tp):
+        return [kv_cache_bytes(smol.replace(num_heads=len(h.q), num_kv_heads=len(h.kv)), prompt_len=19,
+                               output_len=32, dtype="fp32") for h in head_plan(9, 3, tp)]
+
+    assert cache_per_rank(1) == bench["results"]["tp1"]["cache_bytes_per_rank"] == [2_350_080]
+    assert cache_per_rank(3) == bench["results"]["tp3"]["cache_bytes_per_rank"] == [783_360] * 3
+    assert cache_per_rank(9) == [783_360] * 9 and sum(cache_per_rank(9)) == 3 * sum(cache_per_rank(3))  # replicated
+    assert cache_per_rank(2) == [2 * 783_360, 783_360]     # uneven
+    assert imbalance(head_plan(9, 3, 2))["attention"] == pytest.approx(1.33, abs=0.005)
+    L, H, V = smol.num_layers, smol.hidden_size, smol.vocab_size
+    decode = ([Collective("flag", "world", (1,), "int32", 4, 3)]
+              + [Collective("allreduce", "tp", (1, H), "float32", 4 * H, 3)] * (1 + 2 * L)
+              + [Collective("allgather", "tp", (1, V), "float32", 4 * V, 3)])
+    assert sum(c.kind == "allreduce" for c in decode) == 61   # 2 per layer + the embedding; no KV gathered
+    assert (len(decode), sum(c.bytes for c in decode)) == (63, 337_156)
+    assert (len(decode), sum(c.bytes for c in decode)) == (bench["results"]["tp3"]["collectives_per_token"],
+                                                          bench["results"]["tp3"]["payload_bytes_per_token"])
+    assert sum(c.wire_bytes for c in decode) == pytest.approx(bench["results"]["tp3"]["ring_bytes_per_rank_per_token"])
+    for cp in (1, 2, 3):                                   # MLA striping: position p on rank p mod cp
+        held = [int((striped_positions(r, cp, 12) < 12).sum()) for r in range(cp)]
+        assert held == [12 // cp] * cp
+
 def test_seed_paged_pool_is_allocated_once():
     from minikv.model import random_model
     from minikv.paged import PagedKVCache
