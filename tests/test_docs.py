@@ -45,6 +45,7 @@ PATH_REF = re.compile(r"^(?:minikv|minikv_gpu|tests|docs|benchmarks|notebooks)/[
 SYMBOL_REF = re.compile(r"^(minikv(?:_gpu)?/[\w/]+\.py)::([\w.]+)$")
 DOTTED_REF = re.compile(r"^minikv(?:_gpu)?(?:\.\w+)+$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+MPIEXEC = re.compile(r"^mpiexec\s+-n\s+\d+\s+")
 
 
 def _read(page: Path) -> str:
@@ -72,7 +73,7 @@ def _commands():
         for m in FENCE.finditer(text):
             candidates += m.group(2).splitlines()
         for c in candidates:
-            c = c.split(" #", 1)[0].strip()
+            c = MPIEXEC.sub("", c.split(" #", 1)[0].strip())  # `mpiexec -n 3 minikv ...` is checked as `minikv ...`
             if c.startswith("minikv "):  # a bare `minikv` is the program's name, not a command
                 found.setdefault(c, _name(page))
     return [pytest.param(cmd, id=f"{page}: {cmd}"[:120]) for cmd, page in sorted(found.items())]
