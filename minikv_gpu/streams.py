@@ -207,7 +207,7 @@ class CupyCopies:
         """``dst[:, dst_ids[i]] = src[:, src_ids[i]]`` on ``stream``: one 2D copy per block (module docstring)."""
         d, s, _ = check_block_copy(self, dst, dst_ids, src, src_ids)
         runtime = self.xp.cuda.runtime
-        width = int(np.prod(src.shape[2:], dtype=np.int64)) * src.itemsize  # one layer's block, in bytes
+        width = int(np.prod(src.shape[2:], dtype=np.int64)) * src.dtype.itemsize  # one layer's block, in bytes
         base = [a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr for a in (dst, src)]
         pitch = (dst.strides[0], src.strides[0])
         for di, si in zip(d, s):

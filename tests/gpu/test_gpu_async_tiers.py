@@ -318,3 +318,37 @@ def test_a_copy_on_the_copy_stream_finishes_while_a_kernel_still_runs(cupy_rt):
     assert not computed.done, "the copy waited for the kernel: the copy stream is not independent"
     computed.synchronize()
     assert int(flag.get()[0]) == 1 and np.array_equal(host, rt.asnumpy(dev))
+
+
+def test_the_cupy_copy_path_computes_its_pointers_and_pitches_right():
+    """CupyCopies.copy_blocks_async with stand-ins for cupy.ndarray and cudaMemcpy2DAsync (a row-by-row memmove):
+    the offsets, pitches and widths a GPU would get, checked here without one."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from test_cupy_runtime import FakeDeviceArray
+
+    from minikv_gpu.streams import CupyCopies
+
+    calls = []
+
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        calls.append((width, height, kind, stream))
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    pinned = np.zeros((3, 6, 2, 4), np.float16)
+    lo, hi = pinned.ctypes.data, pinned.ctypes.data + pinned.nbytes
+    cuda = SimpleNamespace(runtime=SimpleNamespace(
+        memcpy2DAsync=memcpy2d, memcpyDefault=4,
+        pointerGetAttributes=lambda ptr: SimpleNamespace(type=1 if lo <= ptr < hi else 0)))
+    rt = type("FakeCupy", (CupyCopies,), {"xp": SimpleNamespace(ndarray=FakeDeviceArray, cuda=cuda)})()
+    memory = np.random.default_rng(0).standard_normal((3, 5, 2, 4)).astype(np.float16)
+    dev, stream = FakeDeviceArray(memory), SimpleNamespace(ptr=77)
+    assert rt.is_pinned(pinned) and not rt.is_pinned(np.zeros(4))
+    rt.copy_blocks_async(pinned, [5, 0], dev, [1, 3], stream)
+    assert np.array_equal(pinned[:, [5, 0]], memory[:, [1, 3]]) and not pinned[:, 1:5].any()
+    assert calls == [(2 * 4 * 2, 3, 4, 77)] * 2  # one 2D copy per block: L rows of one layer's block
+    memory[...] = 0
+    rt.copy_blocks_async(dev, [4], pinned, [5], stream)
+    assert np.array_equal(memory[:, 4], pinned[:, 5]) and not memory[:, :4].any()
