@@ -127,7 +127,9 @@ def test_a_tiny_pool_with_an_async_tier_gives_the_tokens_of_an_unlimited_pool(rt
     assert tier.stats.host_hits > 0 and tier.stats.prefetched > 0
     assert all(rt.is_pinned(getattr(tier.cache, h)) for h in ("host_k_pool", "host_v_pool"))
     sync, sync_tier = chat(rt, CacheStorage)
-    assert sync == got and sync_tier.stats == tier.stats  # the bookkeeping is the same, copy for copy
+    assert sync == got
+    if rt.name == "sim":  # copies done at once: the bookkeeping is the same, copy for copy (on a GPU a
+        assert sync_tier.stats == tier.stats  # host block held for a running copy may cost a demotion)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
