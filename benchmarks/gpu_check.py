@@ -17,6 +17,8 @@ and ``gpu_check.md`` are rewritten after every stage, so a run cut short keeps w
    the goal is judged by (``GOAL_TARGETS``: v3 >= 85% of the copy, >= 1.0x the best SDPA backend);
 3b. quant (``gpu_check_quant.py``): int8 and fp8 quantized decode attention against the fp16 v3
    kernel at context 8192 (B=16, 32/8 heads, D=128): time, bytes per token, speed-up (goal >= 1.6x);
+3c. tiers (``gpu_check_tiers.py``): the host tier's copies, a demote + promote round of 256 SmolLM2 blocks
+   on the copy stream (pinned host pools, ``AsyncCacheStorage``) against the synchronous swap hooks;
 4. compare: ``minikv compare`` logic on SmolLM2-135M's shapes (random weights unless ``--model``);
    MLA: absorbed decode at DeepSeek-V3's shapes (128 heads, latent 512 + 64, float16 cache, a few
    contexts; ``gpu_check_mla.py``): checked against ``minikv.mla``, bytes read per token, achieved
@@ -68,6 +70,7 @@ from gpu_check_mla import run_mla  # noqa: E402
 from gpu_check_paged import time_paged_decode_attention  # noqa: E402
 from gpu_check_quant import run_quant  # noqa: E402
 from gpu_check_report import format_markdown, goal_summary, row_ratios, write_report  # noqa: E402
+from gpu_check_tiers import run_tiers  # noqa: E402
 from gpu_check_window import errors as window_errors  # noqa: E402
 from gpu_check_window import run_window  # noqa: E402
 
@@ -280,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                   need_s=0 if smoke or case is GOAL_CASE else 200)
     rep["quant"] = run.stage("quant", lambda: run_quant(rt, smoke, timer, rep["copy"].get("gb_per_s", float("nan"))),
                              need_s=0 if smoke else 150) or {"status": "not run"}
+    rep["tiers"] = run.stage("tiers", lambda: run_tiers(rt, smoke), need_s=0 if smoke else 40) or {"status": "not run"}
+    if rep["tiers"].get("ok") is False:
+        rep["errors"].append(f"tiers: a round trip was not bit-identical or the host pool not pinned: {rep['tiers']}")
+    print("tiers:", {k: rep["tiers"].get(k) for k in ("blocks", "speedup", "ok")}, flush=True)
     rep["compare"] = run.stage("compare", lambda: run_compares(rt, args.model, smoke), need_s=0 if smoke else 120)
     rep["compare"] = rep["compare"] or [{"error": "compare did not run (see stages)", "ok": False}]
     print("compare:", [{k: c.get(k) for k in ("cache", "cache_dtype", "fused", "max_abs_logit_diff", "tokens_agree")}

@@ -362,13 +362,20 @@ class PagedKVCache(_cpu.PagedKVCache):
         shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return np.zeros(shape, dtype=self.dtype) if host else self.rt.xp.zeros(shape, dtype=self.dtype)
 
+    def _tier_wait(self) -> None:
+        """Order the next use of the pools after a host tier's pending copies (``minikv_gpu.tiers``, rule 2)."""
+        if self.blocks.tier is not None:
+            self.blocks.tier.storage.before_step()
+
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._tier_wait()
         _launch_copy(self.rt, self.defines, self.k_pool, self.v_pool, self.k_pool, self.v_pool, np.asarray(pairs))
 
     def _swap_out_blocks(self, dev: list[int], host: list[int]) -> None:
         """Gather the blocks into a staging buffer on the device, then one device-to-host transfer."""
         if not dev:
             return
+        self._tier_wait()
         shape = (self.num_layers, len(dev)) + self.k_pool.shape[2:]
         stage_k, stage_v = self.rt.xp.empty(shape, self.dtype), self.rt.xp.empty(shape, self.dtype)
         _launch_copy(self.rt, self.defines, self.k_pool, self.v_pool, stage_k, stage_v,
@@ -380,6 +387,7 @@ class PagedKVCache(_cpu.PagedKVCache):
         """One host-to-device transfer of the gathered blocks, then a scatter into the pool by the kernel."""
         if not dev:
             return
+        self._tier_wait()
         stage_k = self.rt.asarray(self.host_k_pool[:, host])
         stage_v = self.rt.asarray(self.host_v_pool[:, host])
         _launch_copy(self.rt, self.defines, stage_k, stage_v, self.k_pool, self.v_pool,
@@ -394,6 +402,7 @@ class PagedKVCache(_cpu.PagedKVCache):
                      "tables": rt.asarray(self._step_tables.astype(np.int32)),
                      "seq": rt.asarray(seq.astype(np.int32)), "pos": rt.asarray(pos.astype(np.int32)),
                      "max_context": int(pos.max()) + 1, "decode": bool(np.all(step.num_new == 1))}
+        self._tier_wait()  # after this step's allocations demoted what they evict, before write/attend
 
     def _end(self) -> None:
         super()._end()
@@ -431,6 +440,7 @@ class PagedKVCache(_cpu.PagedKVCache):
         if self.is_swapped(seq_id):
             return super().read_kv(seq_id, layer)  # the host pools are NumPy arrays already
         self._check_layer(layer)
+        self._tier_wait()
         slots = self.rt.asarray(slot_mapping(self.block_table(seq_id), np.arange(self.length(seq_id)),
                                              self.block_size))
         flat = (-1, self.num_kv_heads, self.head_dim)

@@ -199,6 +199,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         """Layer ``layer``'s K and V storage as host ``QuantizedPool`` copies (device pools are copied)."""
         if host:
             return super().pools(layer, host=True)
+        self._tier_wait()
         get = self.rt.asnumpy
         return tuple(QuantizedPool(get(getattr(self, f"{s}_pool")[layer]), get(getattr(self, f"{s}_codes")[layer]),
                                    side) for s, side in (("k", self.format.k), ("v", self.format.v)))
@@ -206,6 +207,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
     def stored_block(self, layer: int, block_id: int) -> tuple[bytes, bytes]:
         """The bytes that hold device block ``block_id`` of ``layer`` now (K, V), as the NumPy class."""
         pre = "codes" if self.quantized[block_id] else "pool"
+        self._tier_wait()
         return tuple(self.rt.asnumpy(getattr(self, f"{s}_{pre}")[layer, block_id]).tobytes() for s in "kv")
 
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,8 @@ The device helpers that every step module (``attention``, ``kv_cache``, ``paged`
 ``model``) shares live here too: ``device_f32``, ``head_dim_defines``, ``cache_defines``,
 ``check_device_rows``, ``host_array``, ``multiprocessors`` (from a per-device cache of the
 device's attributes) and the launch constants ``STATIC_SMEM_LIMIT``, ``BLOCKS_PER_SM``,
-``MAX_HEAD_DIM``.
+``MAX_HEAD_DIM``. Both runtimes also offer pinned host memory, streams, events and asynchronous
+block copies (``pinned_empty``, ``stream``, ``event``, ``copy_blocks_async``: ``minikv_gpu.streams``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from minikv.errors import (
 from . import cpu_sim
 from .cpu_sim import limits
 from .cpu_sim.signature import KernelDecl, check_args, find_kernels
+from .streams import CupyCopies, SimCopies
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 BACKENDS = ("cupy", "sim")
@@ -67,7 +69,7 @@ BLOCKS_PER_SM = 4  # split-K heuristics aim for this many blocks per multiproces
 
 
 class Runtime:
-    """What kernels need from a backend. Subclasses: CupyRuntime, SimRuntime."""
+    """What kernels need from a backend. Subclasses: CupyRuntime, SimRuntime (each with its copy API)."""
 
     name: str
     xp: object  # cupy or numpy
@@ -135,7 +137,7 @@ def _defines_key(defines: dict | None) -> tuple:
     return tuple(cpu_sim.define_flags(defines))
 
 
-class SimRuntime(Runtime):
+class SimRuntime(SimCopies, Runtime):
     """Kernels compiled with g++ and run on the CPU, one fiber per CUDA thread (minikv_gpu/cpu_sim)."""
 
     name = "sim"
@@ -209,7 +211,7 @@ def _cuda_include_dir() -> str | None:
     return None
 
 
-class CupyRuntime(Runtime):
+class CupyRuntime(CupyCopies, Runtime):
     """Kernels compiled by NVRTC through cupy.RawModule, run on the current CUDA device."""
 
     name = "cupy"

@@ -47,7 +47,8 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is True and report["errors"] == []
     assert report["device"]["backend"] == "sim"
-    assert set(report["stages"]) >= {"device", "copy", "compare", "quant", "mla", "window", "sanitizer", "tests"}
+    assert set(report["stages"]) >= {"device", "copy", "compare", "quant", "tiers", "mla", "window", "sanitizer",
+                                      "tests"}
     assert list(report["stages"])[-1] == "tests"  # the long stage runs last
     assert all(s["status"] == "done" for s in report["stages"].values()), report["stages"]
     assert report["tests"]["status"] == "passed" and "1 passed" in report["tests"]["summary"]
@@ -55,6 +56,7 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     assert len(report["compare"]) == 4 and all(c["tokens_agree"] for c in report["compare"])
     assert report["compare"][3]["cache"] == "paged"
     assert report["copy"]["gb_per_s"] > 0
+    assert report["tiers"]["ok"] and report["tiers"]["async"]["bit_identical"]
     assert report["attention"][0]["case"].startswith("goal") and report["attention"][0]["heads"] == "32/8"
     for row in report["attention"]:
         for variant, version in (("auto", 3), ("v1", 1), ("v2", 2), ("v3", 3), ("fused", None)):
