@@ -43,13 +43,14 @@ Every copy goes through ``CacheStorage``: ``demote(dev, host)``, ``promote(host,
 ``release_host(host_id)`` and ``before_step()``. The NumPy storage copies at once through the
 cache's ``_swap_out_blocks``/``_swap_in_blocks`` (``minikv_gpu.paged`` overrides those with
 synchronous staged copies, so a tier already runs there). An asynchronous version subclasses
-``CacheStorage`` and is passed as ``OffloadTier(..., storage=...)``: the host pool in pinned
-memory (the cache's ``_new_pool(host=True)``), both copy kinds issued on a copy stream with one
+``CacheStorage`` and is passed as ``OffloadTier(..., storage=...)``: the storage moves the host
+pools (codes included) into pinned memory, both copy kinds are issued on a copy stream with one
 event recorded per batch; ``before_step`` makes the compute stream wait on the pending events, and
 the device cache calls ``self.blocks.tier.storage.before_step()`` at the end of its ``_reserve``
 (after the step's allocations demoted what they evict, before ``write`` overwrites those blocks
 or ``attend`` reads promoted ones); ``release_host`` keeps a host block out of ``host_allocator``
-until the event of the last copy reading it has completed. The bookkeeping here stays as it is.
+until the event of the last copy reading or writing it has completed. ``minikv_gpu.tiers`` is that
+subclass (``AsyncCacheStorage``). The bookkeeping here stays as it is.
 """
 
 from __future__ import annotations
