@@ -107,3 +107,10 @@ def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigEr
     if val not in tuple(choices):
         raise error(f"{name}={val!r} is not one of {', '.join(repr(c) for c in choices)}")
     return val
+
+
+# --- rollback (speculative decoding) -------------------------------------------------
+
+class RollbackError(MinikvError, RuntimeError):
+    """A cache cannot take tokens back (``truncate``): the message says why (an evicting cache has
+    already dropped tokens it would need, a quantized block's full-precision rows are gone, ...)."""
