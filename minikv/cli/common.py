@@ -57,6 +57,7 @@ INT_FLAGS = {
     "--budget": (1, MAX_COUNT, "keys kept per layer and KV head, e.g. 128"),
     "--recent": (0, MAX_COUNT, "H2O's protected latest tokens, at most --budget (default budget // 2)"),
     "--obs-window": (1, MAX_COUNT, "SnapKV's observation window, fewer than --budget, e.g. 32"),
+    "--draft-len": (1, MAX_COUNT, "draft tokens verified per pass, e.g. 4"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {
