@@ -14,7 +14,8 @@ tokens/s over the rounds, the speed-up (median of the per-round ratios to the pl
 round), the acceptance rate (accepted / drafted), tokens per verify pass, and whether the tokens
 equal plain greedy's (they must). It also times one forward pass of T = 1 and T = K + 1 tokens
 (all logits) after the prompt: speculation wins only when tokens per pass beat that cost ratio.
-Results on a 2-core shared machine are noisy: read the ratios.
+Results on a 2-core shared machine are noisy: read the ratios (the 1-minute load average before and
+after each task is recorded, so a busy run shows itself).
 
     python benchmarks/speculative.py [--draft-lens 2 4 8] [--rounds 3] [--max-new-tokens 96]
 """
@@ -22,6 +23,7 @@ Results on a 2-core shared machine are noisy: read the ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -120,7 +122,9 @@ def main(argv=None) -> int:
     results = {}
     for name, text in TASKS.items():
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        load = os.getloadavg()[0]
         row = bench_task(model, ids, args.max_new_tokens, args.draft_lens, args.rounds, args.settle)
+        row["load_average_1min"] = [load, os.getloadavg()[0]]  # before, after: other work on this machine
         row["prompt_tokens"] = len(ids)
         row["forward_ms_by_tokens"] = pass_ms(model, ids, [1] + [k + 1 for k in args.draft_lens])
         row["answer_head"] = tok.decode(run(model, ids, 24, None).token_ids, skip_special_tokens=True)

@@ -102,16 +102,15 @@ def test_the_shortest_runs_and_eos(gqa, n):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("cache,block_size", [("contiguous", 16), ("paged", 16), ("paged", 5)])
+@pytest.mark.parametrize("cache,block_size", [("contiguous", 16), ("paged", 5)])
 def test_speculative_equals_plain_on_smollm2(smollm2, cache, block_size):
     model, tok = smollm2
-    code = "def add(a, b):\n    total = a + b\n    return total\n"
-    text = f"Rewrite this function with `total` renamed to `result`:\n```python\n{code}```"
+    code = "def area(width, height):\n    result = width * height\n    return result\n"
+    text = f"Rewrite this function with `result` renamed to `total`. Reply with the code only.\n```python\n{code}```"
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    kw = dict(cache=cache, block_size=block_size)
-    plain, spec = _both(model, kw, n=40, k=4, prompt=ids)
-    assert spec.token_ids == plain.token_ids
-    assert spec.speculative.accepted > 10  # the rewrite copies the prompt: drafts are accepted
+    plain, spec = _both(model, dict(cache=cache, block_size=block_size), n=40, k=4, prompt=ids)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+    assert 5 <= spec.speculative.accepted < spec.speculative.drafted  # the answer copies the prompt's code
 
 
 # --- verify with chosen drafts: accepted prefix, bonus, rollback across blocks ---------------------------

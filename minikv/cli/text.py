@@ -167,8 +167,9 @@ def _speculative_report(model, prompt_ids, args, res, quant: dict) -> dict:
           f"({st.accepted} of {st.drafted} draft tokens), {st.tokens_per_step:.2f} tokens per pass; plain greedy "
           f"decode {plain.decode_tokens_per_s:.1f} tokens/s: speed-up {speedup:.2f}x; identical tokens: {same}",
           file=sys.stderr)
-    return {"speculative": args.speculative, "draft_len": args.draft_len, "acceptance_rate": st.acceptance_rate if st.drafted else None,
-            "draft_tokens": st.drafted, "accepted_tokens": st.accepted, "verify_steps": st.steps,
+    return {"speculative": args.speculative, "draft_len": args.draft_len,
+            "acceptance_rate": st.acceptance_rate if st.drafted else None, "draft_tokens": st.drafted,
+            "accepted_tokens": st.accepted, "verify_steps": st.steps,
             "tokens_per_step": st.tokens_per_step, "plain_decode_tokens_per_s": plain.decode_tokens_per_s,
             "speedup": speedup, "identical_to_plain": same}
 
