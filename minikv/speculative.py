@@ -38,7 +38,7 @@ block (copy-on-write); a quantized paged cache also re-opens a block the step qu
 full-precision rows it kept (``minikv.quant``); the MLA latent caches are these with one latent
 "head". Window and eviction caches raise ``RollbackError``: what their policy evicted is gone.
 
-Counters (``SpecStats``): verify steps, drafted tokens, accepted tokens.
+Counters (``SpecStats``): verify steps (and how many carried drafts), drafted tokens, accepted tokens.
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ MAX_NGRAM = 3  # longest suffix the drafter looks up
 
 @dataclass
 class SpecStats:
-    """What speculation did: ``steps`` verify passes, ``drafted`` tokens proposed, ``accepted`` kept."""
+    """What speculation did: ``steps`` verify passes (``drafted_steps`` of them with at least one draft;
+    the others are plain one-token steps), ``drafted`` tokens proposed, ``accepted`` kept."""
 
     draft_len: int
     steps: int = 0
+    drafted_steps: int = 0
     drafted: int = 0
     accepted: int = 0
 
@@ -113,7 +115,8 @@ def verify(model, cache, seq_id, last: int, drafts: Sequence[int], stats: SpecSt
     if n < len(drafts):
         cache.truncate(seq_id, cache.length(seq_id) - (len(drafts) - n))
     if stats is not None:
-        stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + len(drafts), stats.accepted + n
+        stats.steps, stats.drafted_steps = stats.steps + 1, stats.drafted_steps + bool(drafts)
+        stats.drafted, stats.accepted = stats.drafted + len(drafts), stats.accepted + n
     return drafts[:n] + [int(greedy[n])]
 
 

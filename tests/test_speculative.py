@@ -83,6 +83,7 @@ def test_speculative_greedy_equals_plain_greedy(gqa, kind, k):
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 60
     assert 0 < st.accepted < st.drafted  # some drafts kept, some rolled back: both paths ran
     assert st.steps + st.accepted == 60 - 1  # every token after the first came from one verify pass
+    assert 0 < st.drafted_steps <= st.steps and st.drafted_steps <= st.drafted <= k * st.drafted_steps
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged-b1", "paged-b5"])
@@ -154,7 +155,8 @@ def test_verify_keeps_the_accepted_prefix_and_rolls_back_the_rest(gqa, kind, acc
         gqa.forward([PROMPT], c)  # 12 tokens: the 8-token step below crosses block boundaries of 1, 4, 5, 8
     stats = SpecStats(draft_len=len(drafts))
     got = verify(gqa, spec, 0, want[0], drafts, stats)
-    assert got == want[1:2 + accept] and (stats.accepted, stats.drafted, stats.steps) == (accept, len(drafts), 1)
+    assert got == want[1:2 + accept]
+    assert (stats.accepted, stats.drafted, stats.steps, stats.drafted_steps) == (accept, len(drafts), 1, 1)
     gqa.forward([want[:1 + accept]], ref)  # the same step without the dropped tokens
     assert spec.length(0) == ref.length(0) == len(PROMPT) + 1 + accept
     for layer in range(gqa.config.num_layers):
