@@ -35,7 +35,7 @@ When a value is quantized (append-only, each value once)
 A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
 fills (each layer once), and the step's commit publishes them (``quantized[b] = True``);
 from then on a block's bytes never change (prefix sharing, fork, copy-on-write and swapping
-only copy whole blocks). Until then its tokens sit in full precision (the cache's ``dtype``)
+only copy whole blocks; only a rollback can re-open it, below). Until then its tokens sit in full precision (the cache's ``dtype``)
 in ``k_pool``/``v_pool``: **the partly filled last block is the residual**, 0..block_size-1 most
 recent tokens. A rolled-back step never publishes, so it quantizes nothing. After
 publishing, a block's full-precision rows are set to NaN: a read of them would show at once.
@@ -51,8 +51,9 @@ A dropped token in the open block is just forgotten (the length moves back). A d
 block the step *quantized* re-opens that block, and it must be a full-precision residual again with
 the very rows a run that never saw the dropped tokens would hold. Codes cannot give them back
 (dequantizing is lossy), so each commit keeps the full-precision rows of the blocks it publishes
-until the next step begins (``_published``; a copy of the blocks one step fills, at most a few);
-a truncate re-opening one of them puts its rows back and clears its flag. Re-opening a block
+until the next step begins (``_published``: a copy of the blocks that one step fills, a block or
+two for a decode or verify step, the whole prompt after a prefill); a truncate re-opening one of
+them puts its rows back and clears its flag. Re-opening a block
 quantized by an earlier step raises ``RollbackError``: its rows are gone.
 
 KIVI's residual rule, and why
