@@ -35,10 +35,11 @@ When a value is quantized (append-only, each value once)
 A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
 fills (each layer once), and the step's commit publishes them (``quantized[b] = True``);
 from then on a block's bytes never change (prefix sharing, fork, copy-on-write and swapping
-only copy whole blocks; only a rollback can re-open it, below). Until then its tokens sit in full precision (the cache's ``dtype``)
-in ``k_pool``/``v_pool``: **the partly filled last block is the residual**, 0..block_size-1 most
-recent tokens. A rolled-back step never publishes, so it quantizes nothing. After
-publishing, a block's full-precision rows are set to NaN: a read of them would show at once.
+only copy whole blocks; only a rollback can re-open it, below). Until then its tokens sit in
+full precision (the cache's ``dtype``) in ``k_pool``/``v_pool``: **the partly filled last block
+is the residual**, 0..block_size-1 most recent tokens. A rolled-back step never publishes, so it
+quantizes nothing. After publishing, a block's full-precision rows are set to NaN: a read of
+them would show at once.
 
 What a query sees is a function of positions only: the query at position p reads block j
 dequantized iff the block is full at p, ``(j + 1) * block_size <= p + 1``, else in full precision.
