@@ -19,6 +19,10 @@ the pools (``minikv.paged.PagedKVCache``) carries it out.
   blocks in the prefix cache; ``rollback`` gives back exactly what ``reserve`` took.
 * ``swap_out`` / ``swap_in`` move a sequence between the device pool and a host
   pool (preemption by swap) and return the (source, destination) block lists.
+* ``truncate(seq_id, new_len)`` takes tokens back (speculative decoding): blocks past
+  ``new_len`` are given back, and a block holding a dropped token leaves the prefix cache
+  when no other sequence reads it; a *shared* partly kept last block is copied right away
+  (copy-on-write at truncate time), so a block in the prefix cache is never written again.
 * ``release_block(seq_id, j)`` gives back a full block none of whose tokens the
   sequence still reads (an evicting cache, ``minikv.paged_window``); entry j
   becomes a ``HOLE``. Holes keep every other entry at its index (position p stays
@@ -258,6 +262,13 @@ class BlockManager:
         self.allocator.decref(s.block_table[index])
         s.block_table[index] = HOLE
 
+    def truncate(self, seq_id, new_len: int) -> list[tuple[int, int]]:
+        """Keep the first ``new_len`` tokens of a sequence; returns the copy plan [(src, dst)] (``truncate_table``)."""
+        self._no_open_step("truncate")
+        copies = truncate_table(self.allocator, self.resident(seq_id), seq_id, new_len)
+        self.cow_copies += len(copies)
+        return copies
+
     def limit_sharing(self, seq_id, num_blocks: int) -> None:
         """Never register blocks ``num_blocks`` on of the sequence (their K/V were computed under eviction)."""
         s = self.state(seq_id)
@@ -377,3 +388,54 @@ class BlockManager:
                     continue
                 filled[bid] = max(filled.get(bid, 0), min(bs, s.length - j * bs))
         return filled
+
+
+# --- rolling back (speculative decoding): BlockManager.truncate's work ------------------------------
+
+def truncate_table(a: BlockAllocator, s: SeqState, seq_id, new_len: int) -> list[tuple[int, int]]:
+    """Cut sequence ``s`` back to ``new_len`` tokens (0 <= new_len <= length); returns the copy plan [(src, dst)].
+
+    Blocks wholly past ``new_len`` lose this sequence's reference. A block that holds a dropped token
+    and that no other sequence holds leaves the prefix cache (its hash named tokens that are gone).
+    The partly kept last block must become writable: if another sequence shares it (a fork, a prefix
+    hit), this sequence gets a fresh block and the caller copies ``src -> dst`` at once, so a block
+    in the prefix cache is never written again. OutOfBlocksError, changing nothing, when no block is
+    left for that copy.
+    """
+    bs = a.block_size
+    keep = num_blocks_for(new_len, bs)
+    dropped = [b for b in s.block_table[keep:] if b != HOLE]
+    last = s.block_table[keep - 1] if new_len % bs else None  # the partly kept block, if any
+    if last is not None and a.ref_count(last) > 1 and a.num_free + sum(a.ref_count(b) == 1 for b in dropped) < 1:
+        raise OutOfBlocksError(f"truncating {seq_id!r} to {new_len} tokens must copy its shared last block, "
+                               "but no block is free; free or preempt a sequence first")
+    for bid in reversed(dropped):
+        if a.ref_count(bid) == 1:
+            unregister(a, bid)
+        a.decref(bid)
+    del s.block_table[keep:]
+    copies = []
+    if last is not None and a.ref_count(last) > 1:
+        new = a.allocate()
+        copies.append((last, new))  # `last` stays held (and cached) by its other owners
+        a.decref(last)
+        s.block_table[keep - 1] = new
+    elif last is not None:
+        unregister(a, last)  # written in place from now on
+    s.length, s.num_registered = new_len, min(s.num_registered, new_len // bs)
+    if s.token_ids is not None:
+        del s.token_ids[new_len:]
+    return copies
+
+
+def unregister(a: BlockAllocator, bid: int) -> None:
+    """Take block ``bid`` out of the prefix cache; its generation moves on, so an identity recorded as a
+    chain parent never matches its new contents. (It reaches into the allocator's hash table: the
+    allocator has no public way to forget a block that is still handed out.)"""
+    b = a.blocks[bid]
+    if b.hash is None:
+        return
+    if a._table.get(b.hash) == bid:
+        del a._table[b.hash]
+    b.forget()
+    b.generation += 1

@@ -117,3 +117,10 @@ class ParallelError(MinikvError, RuntimeError):
 
 class RankFailedError(ParallelError):
     """Another rank failed a step; every other rank raises this instead of waiting in a collective."""
+
+
+# --- rollback (speculative decoding) -------------------------------------------------
+
+class RollbackError(MinikvError, RuntimeError):
+    """A cache cannot take tokens back (``truncate``): the message says why (an evicting cache has
+    already dropped tokens it would need, a quantized block's full-precision rows are gone, ...)."""

@@ -25,6 +25,7 @@ from minikv.errors import ConfigError, InvalidInputError, check_choice, check_in
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
+from minikv.speculative import SPECULATIVE_KINDS, SpecStats, decode
 
 # --- the cache kinds -------------------------------------------------------------------------
 
@@ -264,6 +265,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = "length"  # "length" or "eos"
+    speculative: SpecStats | None = None  # drafted/accepted counts of a speculative run, else None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -274,11 +276,14 @@ class GenerationResult:
 def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
            sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
            result: GenerationResult | None = None, kv_dtype: str | None = None, group: int = 32,
-           residual: int = 128, eviction: dict | None = None) -> Iterator[int]:
+           residual: int = 128, eviction: dict | None = None, speculative: str | None = None,
+           draft_len: int = 4) -> Iterator[int]:
     """Yield new token ids one by one as they are generated; stops at EOS or ``max_new_tokens``.
 
     ``kv_dtype``/``group``/``residual``: the quantized K/V of ``make_cache`` (paged cache only);
     ``eviction``: the options of a window/h2o/snapkv cache (``make_cache``).
+    ``speculative="ngram"``: prompt-lookup drafts of up to ``draft_len`` tokens, verified in one step
+    and rolled back (``minikv.speculative``); greedy only, same tokens as without it.
 
     ``result`` (optional) is filled in as generation proceeds: timings and
     tokens, for the caller to read when the iterator is exhausted.
@@ -297,6 +302,8 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
                     group=group, residual=residual, eviction=eviction)
     kv.add_sequence(0)
+    if speculative is not None:
+        _check_speculative(speculative, draft_len, sampling, spec, kv)
     ids = prompt.tolist()
 
     def next_logits(new: Sequence[int]) -> np.ndarray:
@@ -307,6 +314,9 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     t0 = time.perf_counter()
     logits = next_logits(ids)
     result.prefill_s = time.perf_counter() - t0
+    if speculative is not None:
+        yield from decode(model, kv, ids, sample(logits, sampling), max_new_tokens, eos, result, draft_len)
+        return
     for i in range(max_new_tokens):
         tok = sample(logits, sampling, rng)
         ids.append(tok)
@@ -321,14 +331,29 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
             result.decode_s += time.perf_counter() - t0
 
 
+def _check_speculative(speculative, draft_len, sampling: SamplingParams, spec: CacheKind, kv: KVCacheBase) -> None:
+    """Refuse what speculative decoding cannot do: sampling, a recomputing cache, a cache that cannot roll back."""
+    check_choice("speculative", speculative, SPECULATIVE_KINDS, error=InvalidInputError)
+    check_int("draft_len", draft_len, error=InvalidInputError, hint="draft tokens verified per step, e.g. 4")
+    if not sampling.greedy:
+        raise InvalidInputError("speculative decoding here accepts drafts greedily (argmax); use greedy sampling "
+                                "(--greedy) or turn speculation off")
+    if spec.recompute:
+        raise ConfigError("speculative decoding verifies drafts against cached K/V, and cache='none' keeps none; "
+                          "use a contiguous or paged cache")
+    kv.truncate(0, 0)  # a cache that cannot roll back (window, eviction) says why here: RollbackError
+
+
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
              sampling: SamplingParams = GREEDY, eos_token_id: int | None = None, block_size: int = 16,
              on_token: Callable[[int], None] | None = None, kv_dtype: str | None = None, group: int = 32,
-             residual: int = 128, eviction: dict | None = None) -> GenerationResult:
+             residual: int = 128, eviction: dict | None = None, speculative: str | None = None,
+             draft_len: int = 4) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; see ``stream``."""
     result = GenerationResult(prompt_ids=[])  # stream() fills it in
     for tok in stream(model, prompt_ids, max_new_tokens, cache, sampling, eos_token_id, block_size, result,
-                      kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction):
+                      kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction,
+                      speculative=speculative, draft_len=draft_len):
         if on_token is not None:
             on_token(tok)
     return result

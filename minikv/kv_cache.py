@@ -16,7 +16,9 @@ values and asks the cache to attend:
 Tokens of all sequences are *packed* along N (no padding): sequence i owns rows
 ``offsets[i]:offsets[i+1]``. A step either commits entirely (every sequence's
 length grows by its ``num_new``) or, if anything raises, changes nothing that
-later steps can see.
+later steps can see. ``truncate(seq_id, new_len)`` takes committed tokens back
+(speculative decoding's rollback, ``minikv.speculative``); a cache that cannot
+says why with a ``RollbackError``.
 
 Two implementations live here:
 
@@ -41,6 +43,7 @@ from minikv.errors import (
     CacheFullError,
     DTypeError,
     InvalidInputError,
+    RollbackError,
     ShapeError,
     UnknownSequenceError,
     check_int,
@@ -177,6 +180,25 @@ class KVCacheBase:
             self._rollback(self._step)
             self._step = None
 
+    def truncate(self, seq_id, new_len: int) -> None:
+        """Keep only the first ``new_len`` tokens of ``seq_id`` (0 <= new_len <= length; no step open).
+
+        Afterwards the cache is what it would be had the dropped tokens never been written: the next
+        step writes at position ``new_len``. A cache that cannot roll back raises ``RollbackError``
+        saying why, changing nothing; ``new_len == length`` still asks it (a cheap probe).
+        """
+        if self._step is not None:
+            raise InvalidInputError(f"cannot truncate sequence {seq_id!r} while a step is open; "
+                                    "finish the step (end_step or abort_step) first")
+        length = self.length(seq_id)  # UnknownSequenceError for an unknown id
+        new_len = check_int("new_len", new_len, minimum=0, maximum=length, error=InvalidInputError,
+                            hint=f"sequence {seq_id!r} holds {length} tokens; truncate keeps a prefix of them")
+        self._truncate(seq_id, new_len)
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        raise RollbackError(f"{type(self).__name__} does not implement truncate, so sequence {seq_id!r} cannot "
+                            "be rolled back; use a contiguous, paged or quantized paged cache")
+
     def _require_step(self) -> Step:
         if self._step is None:
             raise InvalidInputError("no step is open; wrap write/attend in `with cache.step(seq_ids, num_new):`")
@@ -261,6 +283,9 @@ class NoCache(KVCacheBase):
         self._v = [None] * self.num_layers
 
     _rollback = _commit
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        pass  # nothing is kept, so nothing to take back (length is always 0)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         self._check_layer(layer)
@@ -348,6 +373,9 @@ class ContiguousKVCache(KVCacheBase):
     def _commit(self, step: Step) -> None:
         for sid, n in zip(step.seq_ids, step.num_new):
             self._len[self._slot[sid]] += n
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        self._len[self._slot[seq_id]] = new_len  # rows past it are stale: overwritten before they are read
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         self._check_layer(layer)

@@ -229,6 +229,10 @@ class PagedKVCache(KVCacheBase):
     def _end(self) -> None:
         self._slots, self._step_tables = None, None
 
+    def _truncate(self, seq_id, new_len: int) -> None:  # the manager's bookkeeping, then a shared last block's copy
+        for pair in self.blocks.truncate(seq_id, new_len):
+            self._copy_blocks([pair])
+
     def slot_mapping(self) -> np.ndarray:
         """Slots of the open step's packed new tokens: int64 [N]."""
         self._require_step()

@@ -46,7 +46,7 @@ import numpy as np
 from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError
 from minikv.paged import PagedKVCache, default_blocks_per_tile, num_blocks_for
-from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots, check_rope_table
+from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots, check_rope_table, truncate_refusal
 
 
 def reads_scores(policy: Policy) -> bool:
@@ -133,6 +133,9 @@ class PagedEvictingKVCache(PagedKVCache):
         """The child shares the parent's blocks and starts from a copy of its bookkeeping."""
         super().fork(parent_id, child_id)
         self._books[child_id] = self._books[parent_id].copy()
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        raise truncate_refusal(self.policy, seq_id)
 
     # -- a step: attend over alive keys, then let the policy drop and give back empty blocks ----
     def _tiles(self, layer: int, i: int, book: _Book, n: int, t: int) -> list:

@@ -35,15 +35,27 @@ When a value is quantized (append-only, each value once)
 A block is quantized **when it becomes full**: ``write`` encodes the blocks the open step
 fills (each layer once), and the step's commit publishes them (``quantized[b] = True``);
 from then on a block's bytes never change (prefix sharing, fork, copy-on-write and swapping
-only copy whole blocks). Until then its tokens sit in full precision (the cache's ``dtype``)
-in ``k_pool``/``v_pool``: **the partly filled last block is the residual**, 0..block_size-1 most
-recent tokens. A rolled-back step never publishes, so it quantizes nothing. After
-publishing, a block's full-precision rows are set to NaN: a read of them would show at once.
+only copy whole blocks; only a rollback can re-open it, below). Until then its tokens sit in
+full precision (the cache's ``dtype``) in ``k_pool``/``v_pool``: **the partly filled last block
+is the residual**, 0..block_size-1 most recent tokens. A rolled-back step never publishes, so it
+quantizes nothing. After publishing, a block's full-precision rows are set to NaN: a read of
+them would show at once.
 
 What a query sees is a function of positions only: the query at position p reads block j
 dequantized iff the block is full at p, ``(j + 1) * block_size <= p + 1``, else in full precision.
 So a prefill, a chunked prefill, a batch, a prefix hit and a recompute after preemption all
 give what feeding the tokens one at a time gives (the quantized cache's own exactness spine).
+
+Rolling back (``truncate``, speculative decoding)
+-----------------------------------------------
+A dropped token in the open block is just forgotten (the length moves back). A dropped token in a
+block the step *quantized* re-opens that block, and it must be a full-precision residual again with
+the very rows a run that never saw the dropped tokens would hold. Codes cannot give them back
+(dequantizing is lossy), so each commit keeps the full-precision rows of the blocks it publishes
+until the next step begins (``_published``: a copy of the blocks that one step fills, a block or
+two for a decode or verify step, the whole prompt after a prefill); a truncate re-opening one of
+them puts its rows back and clears its flag. Re-opening a block
+quantized by an earlier step raises ``RollbackError``: its rows are gone.
 
 KIVI's residual rule, and why
 -----------------------------
@@ -76,7 +88,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minikv import quant_codecs
-from minikv.errors import ConfigError
+from minikv.errors import ConfigError, RollbackError
 from minikv.kv_cache import Step
 from minikv.paged import PagedKVCache, paged_attention, query_positions
 from minikv.quant_codecs import CODECS, Codec, codec  # noqa: F401  (the codecs, re-exported)
@@ -272,6 +284,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.host_quantized = np.zeros(self.num_host_blocks, bool)
         self.quantize_count = np.zeros(self.num_blocks, np.int64)
         self._filling, self._views = np.zeros(0, np.int64), None  # the open step's filled blocks, view tables
+        self._published: dict = {}  # (block id, generation) -> (k, v) [L, bs, Hkv, D] rows the last step quantized
 
     # -- storage hooks: a block is its residual rows, its codes and its flag ----------------------
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -302,6 +315,7 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def _reserve(self, step: Step) -> None:
         super()._reserve(step)
+        self._published = {}  # the step after: the last step's quantized blocks can no longer be re-opened
         self.quantized[self._blocks_of_step(step, full_only=False)] = False  # written blocks: not full yet
         self._filling = self._blocks_of_step(step, full_only=True)
         self._views = view_tables(self._step_tables, step.past + step.num_new, step.num_new, self.block_size,
@@ -324,6 +338,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         full = self._filling
         super()._commit(step)
         if full.size:  # publish: the codes hold the block now; its residual rows are dead (NaN)
+            self._keep_rows(full)
             self.quantized[full] = True
             self.quantize_count[full] += 1
             self.k_pool[:, full] = np.nan
@@ -332,6 +347,31 @@ class QuantizedPagedKVCache(PagedKVCache):
     def _end(self) -> None:
         super()._end()
         self._filling, self._views = np.zeros(0, np.int64), None
+
+    # -- rolling back: a block the last step quantized can become a residual again -----------------
+    def _keep_rows(self, full: np.ndarray) -> None:
+        """Keep the full-precision rows of the blocks being published until the next step (see the module
+        docstring); keyed by generation, so a block id handed out again never matches."""
+        gen = self.allocator.blocks
+        self._published = {(int(b), gen[int(b)].generation): (self.k_pool[:, int(b)].copy(),
+                                                             self.v_pool[:, int(b)].copy()) for b in full}
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        """The paged truncate; a quantized block the cut re-opens gets its saved rows back (or RollbackError)."""
+        table, bs = self.blocks.resident(seq_id).block_table, self.block_size
+        old = table[new_len // bs] if new_len % bs and self.quantized[table[new_len // bs]] else None
+        key = None if old is None else (old, self.allocator.blocks[old].generation)
+        if key is not None and key not in self._published:
+            raise RollbackError(f"truncating {seq_id!r} to {new_len} tokens re-opens block {old}, quantized "
+                                f"({self.kv_dtype}) before the last step: its full-precision rows are gone and "
+                                "decoding its codes would not be exact; truncate only tokens of the last step")
+        super()._truncate(seq_id, new_len)
+        if key is not None:
+            new = self.blocks.state(seq_id).block_table[new_len // bs]  # a fresh copy if the block was shared
+            self.k_pool[:, new], self.v_pool[:, new] = self._published[key]
+            self.quantized[new] = False
+            if new == old:  # that quantization is undone (a fresh copy was never counted)
+                self.quantize_count[new] -= 1
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Paged attention with per-tile dequantization (q: [N, Hq, D] -> [N, Hq, D])."""

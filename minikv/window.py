@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import online_softmax
-from minikv.errors import CacheFullError, ConfigError, InvalidInputError, check_choice, check_int
+from minikv.errors import CacheFullError, ConfigError, InvalidInputError, RollbackError, check_choice, check_int
 from minikv.kv_cache import KVCacheBase, lookup_sequence
 from minikv.layers import apply_rope
 
@@ -220,6 +220,14 @@ def check_rope_table(policy: Policy, rope: tuple | None) -> None:
 # --- contiguous storage ---------------------------------------------------------------------------
 
 
+def truncate_refusal(policy: Policy, seq_id) -> RollbackError:
+    """Why an evicting cache cannot ``truncate`` (take tokens back): what the policy dropped is gone."""
+    return RollbackError(f"the {policy.name} cache cannot truncate sequence {seq_id!r}: each step lets the "
+                         "policy evict keys (and rank by scores) for the new tokens, and what it dropped is gone, "
+                         "so the cache before them cannot be rebuilt; speculative decoding needs a contiguous or "
+                         "paged cache")
+
+
 class _Seq:
     """One sequence's slots: k, v [L, Hkv, C, D]; pos, seen [L, Hkv, C] int64; score float64;
     ``log`` [L, Hkv, >= n] (``evicted_at`` of the n tokens seen, capacity doubled as they arrive, so a
@@ -284,6 +292,9 @@ class EvictingKVCache(KVCacheBase):
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._seqs
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        raise truncate_refusal(self.policy, seq_id)
 
     # -- a step: stash, attend over slots + stash, then let the policy drop and place --------------
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:

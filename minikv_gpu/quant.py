@@ -166,6 +166,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         full = self._filling
         _gpu_paged.PagedKVCache._commit(self, step)  # the paged bookkeeping (the NumPy class's commit)
         if full.size:  # publish; the residual rows of a published block are dead (NaN)
+            self._keep_rows(full)  # until the next step, for a truncate that re-opens one (the NumPy class's)
             self.quantized[full] = True
             self.quantize_count[full] += 1
             ids = self.rt.asarray(full)

@@ -59,6 +59,7 @@ INT_FLAGS = {
     "--obs-window": (1, MAX_COUNT, "SnapKV's observation window, fewer than --budget, e.g. 32"),
     "--tp": (1, MAX_COUNT, "tensor-parallel MPI ranks: run under mpiexec -n TP (x CP)"),
     "--cp": (1, MAX_COUNT, "context-parallel MPI ranks of an MLA model: run under mpiexec -n CP (x TP)"),
+    "--draft-len": (1, MAX_COUNT, "draft tokens verified per pass, e.g. 4"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {

@@ -20,6 +20,7 @@ from minikv.cli.common import (
 from minikv.cli.parallel import add_parallel_flags, guard, json_fields, runner_of
 from minikv.errors import InvalidInputError
 from minikv.generate import CACHE_KINDS
+from minikv.speculative import SPECULATIVE_KINDS
 
 
 def cache_help() -> str:
@@ -103,6 +104,10 @@ def add_generate(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block for --cache paged")
     add_kv_dtype_flags(p)
     add_eviction_flags(p)
+    p.add_argument("--speculative", choices=list(SPECULATIVE_KINDS), default=None,
+                   help="ngram = draft tokens by prompt lookup, verify them in one pass, roll the cache back "
+                        "(needs --greedy; also runs plain greedy once to report the speed-up)")
+    p.add_argument("--draft-len", type=int, default=4, help="draft tokens per pass for --speculative (K)")
     p.add_argument("--json", action="store_true", help="print one JSON line last with ids, text and timings")
     add_model_flag(p)
     add_parallel_flags(p)
@@ -114,6 +119,11 @@ def _run_generate(args) -> int:
 
     sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
+    if args.speculative is not None and not args.greedy:  # refused before the model loads
+        raise InvalidInputError("--speculative accepts drafts greedily (argmax); add --greedy")
+    if args.speculative is not None and (args.tp is not None or args.cp is not None):
+        raise InvalidInputError("--speculative runs in one process (its rollback is per cache); drop --tp/--cp "
+                                "or --speculative")
     if args.chat and args.prompt_ids is not None:  # refused before the model loads
         raise InvalidInputError("--chat wraps --prompt text in the chat template; with --prompt-ids give the "
                                 "ids of the whole templated prompt and drop --chat")
@@ -129,15 +139,17 @@ def _run_generate(args) -> int:
             tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
         print(echo, end="", flush=True)
     runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
+    spec = {} if args.speculative is None else dict(speculative=args.speculative, draft_len=args.draft_len)
     with guard(runner):
         res = generate_streaming(runner, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
-                                 block_size=args.block_size, **quant)
+                                 block_size=args.block_size, **quant, **spec)
     label = args.cache if args.kv_dtype is None else f"{args.cache}, kv_dtype {args.kv_dtype}"
     if policy is not None:
         label += ", " + ", ".join(f"{k} {v}" for k, v in policy.items() if k != "policy")
     print(f"[{label} cache] prompt {len(prompt_ids)} tokens, prefill {res.prefill_s:.3f} s, "
           f"decode {res.decode_tokens_per_s:.1f} tokens/s, {len(res.token_ids)} new tokens ({res.finish_reason})",
           file=sys.stderr)
+    spec_report = {} if not spec else _speculative_report(model, prompt_ids, args, res, quant)
     if args.json:
         print_json({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids,
                     "text": None if tok is None else tok.decode(res.token_ids, skip_special_tokens=True),
@@ -145,9 +157,30 @@ def _run_generate(args) -> int:
                     "cache": args.cache, "finish_reason": res.finish_reason,
                     "kv_dtype": args.kv_dtype or "fp32",
                     "cache_bytes_per_token": cache_bytes_per_token(model, args.cache, args.block_size, **quant),
-                    **({"eviction": policy} if policy is not None else {}),
+                    **({"eviction": policy} if policy is not None else {}), **spec_report,
                     **json_fields(runner, getattr(runner, "cache_bytes", None))})
     return 0
+
+
+def _speculative_report(model, prompt_ids, args, res, quant: dict) -> dict:
+    """Run plain greedy decoding once more on the same cache and print what speculation did (stderr);
+    returns the fields ``--json`` adds."""
+    from minikv.generate import GREEDY, generate
+
+    plain = generate(model, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=GREEDY,
+                     block_size=args.block_size, **quant)
+    st = res.speculative
+    speedup = res.decode_tokens_per_s / plain.decode_tokens_per_s
+    same = plain.token_ids == res.token_ids
+    print(f"[speculative {args.speculative}, K={args.draft_len}] acceptance {st.acceptance_rate:.0%} "
+          f"({st.accepted} of {st.drafted} draft tokens), {st.tokens_per_step:.2f} tokens per pass; plain greedy "
+          f"decode {plain.decode_tokens_per_s:.1f} tokens/s: speed-up {speedup:.2f}x; identical tokens: {same}",
+          file=sys.stderr)
+    return {"speculative": args.speculative, "draft_len": args.draft_len,
+            "acceptance_rate": st.acceptance_rate if st.drafted else None, "draft_tokens": st.drafted,
+            "accepted_tokens": st.accepted, "verify_steps": st.steps,
+            "tokens_per_step": st.tokens_per_step, "plain_decode_tokens_per_s": plain.decode_tokens_per_s,
+            "speedup": speedup, "identical_to_plain": same}
 
 
 def _policy_of(model, args, quant: dict) -> dict | None:
