@@ -162,3 +162,4 @@ def abort_on_error(world: Collectives):
         print(f"minikv: error: rank {world.rank}: {type(e).__name__}: {e} (aborting all {world.size} ranks)",
               file=sys.stderr, flush=True)
         world.comm.Abort(1)
+        raise  # MPI_Abort may return before the runtime kills this process: never carry on past the error

@@ -25,7 +25,7 @@ from minikv.errors import ConfigError, InvalidInputError, check_choice, check_in
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
-from minikv.speculative import SPECULATIVE_KINDS, SpecStats, decode
+from minikv.speculative import SPECULATIVE_KINDS, SpecStats, speculative_decode
 
 # --- the cache kinds -------------------------------------------------------------------------
 
@@ -315,7 +315,8 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
     logits = next_logits(ids)
     result.prefill_s = time.perf_counter() - t0
     if speculative is not None:
-        yield from decode(model, kv, ids, sample(logits, sampling), max_new_tokens, eos, result, draft_len)
+        first = sample(logits, sampling)
+        yield from speculative_decode(model, kv, ids, first, max_new_tokens, eos, result, draft_len)
         return
     for i in range(max_new_tokens):
         tok = sample(logits, sampling, rng)

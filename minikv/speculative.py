@@ -120,8 +120,8 @@ def verify(model, cache, seq_id, last: int, drafts: Sequence[int], stats: SpecSt
     return drafts[:n] + [int(greedy[n])]
 
 
-def decode(model, cache, ids: list[int], first: int, max_new_tokens: int, eos: int | None, result,
-           draft_len: int, max_ngram: int = MAX_NGRAM, seq_id=0) -> Iterator[int]:
+def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens: int, eos: int | None,
+                       result, draft_len: int, max_ngram: int = MAX_NGRAM, seq_id=0) -> Iterator[int]:
     """The speculative decode loop after prefill: yield tokens from ``first`` on, until EOS or
     ``max_new_tokens``. ``ids`` (prompt, extended in place) is what the drafter searches.
 

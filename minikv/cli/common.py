@@ -60,6 +60,9 @@ INT_FLAGS = {
     "--tp": (1, MAX_COUNT, "tensor-parallel MPI ranks: run under mpiexec -n TP (x CP)"),
     "--cp": (1, MAX_COUNT, "context-parallel MPI ranks of an MLA model: run under mpiexec -n CP (x TP)"),
     "--draft-len": (1, MAX_COUNT, "draft tokens verified per pass, e.g. 4"),
+    "--conversations": (1, MAX_BENCH_REQUESTS, "chats in the offload trace, each a few turns, e.g. 24"),
+    "--device-blocks": (1, MAX_COUNT, "the offload trace's device pool, enough for its longest request, e.g. 48"),
+    "--host-blocks": (1, MAX_COUNT, "the host tier's pool, e.g. 64"),
 }
 # flag -> (low, high, low_inclusive, hint); the high end is inclusive, and nan and inf are refused everywhere
 FLOAT_FLAGS = {
