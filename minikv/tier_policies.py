@@ -208,11 +208,7 @@ class SeenTwice:
     def remove(self, key: Hashable) -> None:
         self.inner.remove(key)
 
-    def request(self, key: Hashable) -> bool:
-        if self.access(key):
-            return True
-        self.insert(key)
-        return False
+    request = LRU.request  # the same textbook rule over this class's access/insert
 
     def check(self) -> None:
         self.inner.check()
