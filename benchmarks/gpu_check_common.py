@@ -7,6 +7,8 @@ attention without a cache), ``gpu_check_kv_cache.py`` (step 2) and ``gpu_check_p
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -179,3 +181,20 @@ def bandwidth(case: AttnCase, t: dict, copy_gbs: float) -> dict:
     """Achieved GB/s of ``case``'s minimum bytes in the median time ``t``, and its fraction of the copy."""
     gbs = case.min_bytes() / (t["median_ms"] * 1e-3) / 1e9
     return {"gb_per_s": gbs, "of_copy": gbs / copy_gbs}
+
+
+def stage_main(argv, doc: str, run, summary, failed=lambda res: False) -> int:
+    """One stage run alone: ``python gpu_check_<stage>.py OUT.json [--sim-smoke]``.
+
+    ``run(rt, sim_smoke, timer)`` returns the stage's JSON (written to OUT); ``summary(res)`` is the
+    line printed; the exit code is 1 when ``failed(res)``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--sim-smoke", action="store_true", help="toy sizes on the CPU simulator (measures nothing)")
+    args = ap.parse_args(argv)
+    rt = runtime.get_runtime("sim" if args.sim_smoke else "cupy")
+    timer = Timer(rt, warmup=1, repeats=3, batch=2) if args.sim_smoke else Timer(rt)
+    res = run(rt, args.sim_smoke, timer)
+    args.out.write_text(json.dumps(res, indent=1, default=float))
+    print(json.dumps(summary(res)))
+    return 1 if failed(res) else 0

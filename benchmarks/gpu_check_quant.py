@@ -14,8 +14,6 @@ are checked against NumPy by tests/gpu/test_gpu_quant.py).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from gpu_check_common import Timer, rel_err  # noqa: E402
+from gpu_check_common import Timer, rel_err, stage_main  # noqa: E402
 
 GOAL = dict(batch=16, context=8192, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 SMOKE = dict(batch=2, context=40, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
@@ -95,19 +93,9 @@ def run_quant(rt, smoke: bool, timer: Timer, copy_gbs: float = float("nan")) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--sim-smoke", action="store_true", help="toy sizes on the CPU simulator (measures nothing)")
-    args = ap.parse_args(argv)
-    from minikv_gpu import runtime
-
-    rt = runtime.get_runtime("sim" if args.sim_smoke else "cupy")
-    timer = Timer(rt, warmup=1, repeats=3, batch=2) if args.sim_smoke else Timer(rt)
-    res = run_quant(rt, args.sim_smoke, timer)
-    args.out.write_text(json.dumps(res, indent=1, default=float))
-    print(json.dumps({k: {m: v[m] for m in ("median_ms", "speedup_vs_fp16", "bytes_per_token") if m in v}
-                      for k, v in res.items() if isinstance(v, dict) and "median_ms" in v}))
-    return 0
+    return stage_main(argv, __doc__, run_quant, summary=lambda res: {
+        k: {m: v[m] for m in ("median_ms", "speedup_vs_fp16", "bytes_per_token") if m in v}
+        for k, v in res.items() if isinstance(v, dict) and "median_ms" in v})
 
 
 if __name__ == "__main__":

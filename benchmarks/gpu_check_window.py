@@ -21,8 +21,6 @@ slot's position, q and out; the mass written too), achieved GB/s and its fractio
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from gpu_check_common import Timer, l2_bytes, randn, rel_err  # noqa: E402
+from gpu_check_common import Timer, l2_bytes, randn, rel_err, stage_main  # noqa: E402
 
 WINDOW_RTOL = 1e-4  # tests/gpu/test_gpu_window.py's tolerance against NumPy
 
@@ -197,19 +195,8 @@ def errors(res: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--sim-smoke", action="store_true", help="toy sizes on the CPU simulator (measures nothing)")
-    args = ap.parse_args(argv)
-    from minikv_gpu import runtime
-
-    rt = runtime.get_runtime("sim" if args.sim_smoke else "cupy")
-    timer = Timer(rt, warmup=1, repeats=3, batch=2) if args.sim_smoke else Timer(rt)
-    res = run_window(rt, args.sim_smoke, timer)
-    args.out.write_text(json.dumps(res, indent=1, default=float))
-    print(json.dumps({n: {m: res[n].get(m) for m in ("median_ms", "rel_err", "error") if m in res[n]}
-                      for n in VARIANTS}))
-    return 1 if errors(res) else 0
+    return stage_main(argv, __doc__, run_window, failed=errors, summary=lambda res: {
+        n: {m: res[n].get(m) for m in ("median_ms", "rel_err", "error") if m in res[n]} for n in VARIANTS})
 
 
 if __name__ == "__main__":
