@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_errata_interview import flat
+from test_errata_interview import question as interview_question
 
 from minikv import online_softmax as osm
 from minikv.attention import causal_attention
@@ -34,7 +35,6 @@ from minikv.paged import PagedKVCache
 from minikv.scheduler import Request, Scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERVIEW = (ROOT / "docs" / "interview.md").read_text(encoding="utf-8")
 CHEATSHEET = (ROOT / "docs" / "cheatsheet.md").read_text(encoding="utf-8")
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -45,9 +45,7 @@ K128 = 131072
 
 def question(n: int) -> str:
     """The text of ``## Qn.`` up to the next question, with line breaks folded to spaces."""
-    m = re.search(rf"^## Q{n}\. .*?(?=^## Q\d+\. |\Z)", INTERVIEW, re.S | re.M)
-    assert m, f"docs/interview.md has no Q{n}"
-    return " ".join(m.group(0).split())
+    return flat(interview_question(n))
 
 
 def says(text: str, *numbers: str) -> None:
