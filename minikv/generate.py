@@ -206,7 +206,13 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling), ``layout``
     ("contiguous" slots, the default, or "paged" blocks) and ``log`` (keep the eviction log that
     ``MaskedRecompute`` needs; default False: it grows with the text); other kinds refuse it.
+    A model that shards itself over ranks (``minikv.parallel.ParallelModel``) builds its rank's cache.
     """
+    if hasattr(model, "make_cache"):
+        options = dict(kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction)
+        if dtype is not None:
+            options["dtype"] = dtype
+        return model.make_cache(kind, max_len, max_seqs, block_size, **options)
     spec = cache_kind(kind)
     max_len = check_int("max_len", max_len, error=InvalidInputError)
     max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)

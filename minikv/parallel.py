@@ -50,15 +50,14 @@ collectives on device arrays (host-staged, or ``cupy.cuda.nccl``).
 from __future__ import annotations
 
 import sys
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from minikv.collectives import Collectives, agree, mpi_world
-from minikv.errors import ConfigError, InvalidInputError, MinikvError, ParallelError, ShapeError, check_int
+from minikv.errors import ConfigError, MinikvError, ParallelError, ShapeError, check_int
 from minikv.layers import rms_norm
 from minikv.model import (
     LayerWeights,
@@ -196,6 +195,7 @@ class ParallelModel:
         self.local = shard_model(model, self.heads, inter, self.vocab[self.tp_rank], first=self.tp_rank == 0)
         self.config, self.dtype = c, model.dtype
         self.cache_bytes: list[int] | None = None  # every rank's cache bytes after ``generate``
+        self.last_cache = None  # the cache ``make_cache`` built last
 
     check_tokens = Model.check_tokens        # they read only ``self.config``: the whole model's
     check_positions = Model.check_positions
@@ -269,7 +269,18 @@ class ParallelModel:
     def make_cache(self, kind: str, max_len: int, max_seqs: int = 1, block_size: int = 16, **options):
         """This rank's cache of ``kind``: ``minikv.generate.make_cache`` for its heads (``options``: kv_dtype,
         group, residual, eviction); with cp > 1 a latent cache of its 1/cp of the tokens
-        (``minikv.parallel_mla.StripedLatentCache``)."""
+        (``minikv.parallel_mla.StripedLatentCache``). Every rank must call it: a cache refused on one
+        rank is refused on all (``agree``). ``minikv.generate.make_cache`` hands a ParallelModel here."""
+        cache, err = None, None
+        try:
+            cache = self._make_cache(kind, max_len, max_seqs, block_size, **options)
+        except MinikvError as e:
+            err = e
+        agree(self.world, err)
+        self.last_cache = cache
+        return cache
+
+    def _make_cache(self, kind: str, max_len: int, max_seqs: int, block_size: int, **options):
         from minikv.generate import make_cache
 
         shared = self.tp > self.config.num_kv_heads and self.config.mla is None
@@ -299,55 +310,16 @@ class ParallelModel:
         return generate(model, prompt_ids, max_new_tokens, **kwargs)
 
 
-def generate(model: ParallelModel, prompt_ids: Sequence[int], max_new_tokens: int, cache: str = "contiguous",
-             sampling=None, eos_token_id: int | None = None, block_size: int = 16,
-             on_token: Callable[[int], None] | None = None, kv_dtype: str | None = None, group: int = 32,
-             residual: int = 128, eviction: dict | None = None):
-    """``minikv.generate.generate`` on every rank of a ``ParallelModel``: the same tokens everywhere.
+def generate(model: ParallelModel, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs):
+    """``minikv.generate.generate`` on every rank of a ``ParallelModel``: the same loop, the same tokens
+    everywhere (every rank samples the same gathered logits with the same seed). The loop builds the
+    cache through ``ParallelModel.make_cache``. Afterwards ``model.cache_bytes`` lists every rank's cache
+    bytes (None when no cache was built: ``max_new_tokens == 0``)."""
+    from minikv.generate import generate as generate_one
 
-    The loop is ``minikv.generate.stream``'s; what differs is the cache (``model.make_cache``), built
-    under ``agree`` like every step. Afterwards ``model.cache_bytes`` lists every rank's cache bytes.
-    """
-    from minikv.generate import GenerationResult, cache_kind, check_context
-    from minikv.sampling import GREEDY, sample
-
-    sampling = GREEDY if sampling is None else sampling
-    (prompt,) = model.check_tokens([prompt_ids])
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0, error=InvalidInputError)
-    spec = cache_kind(cache)
-    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-    result = GenerationResult(prompt_ids=prompt.tolist(), cache=cache)
-    if max_new_tokens == 0:
-        return result
-    if (eviction or {}).get("positions") != "in-cache":
-        check_context(model.config.max_position, prompt.size, max_new_tokens)
-    kv, err = None, None
-    try:
-        kv = model.make_cache(cache, prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
-                              group=group, residual=residual, eviction=eviction)
-        kv.add_sequence(0)
-    except MinikvError as e:
-        err = e
-    agree(model.world, err)
-    ids, rng = prompt.tolist(), sampling.new_rng()
-    feed = lambda new: model.forward([ids if spec.recompute else new], kv)[0]  # noqa: E731
-    t0 = time.perf_counter()
-    logits = feed(ids)
-    result.prefill_s = time.perf_counter() - t0
-    for i in range(max_new_tokens):
-        tok = sample(logits, sampling, rng)  # the same logits and the same seed: the same token on every rank
-        ids.append(tok)
-        result.token_ids.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if eos is not None and tok == eos:
-            result.finish_reason = "eos"
-            break
-        if i + 1 < max_new_tokens:
-            t0 = time.perf_counter()
-            logits = feed([tok])
-            result.decode_s += time.perf_counter() - t0
-    model.cache_bytes = model.cache_bytes_per_rank(kv)
+    model.last_cache = None
+    result = generate_one(model, prompt_ids, max_new_tokens, **kwargs)
+    model.cache_bytes = None if model.last_cache is None else model.cache_bytes_per_rank(model.last_cache)
     return result
 
 
