@@ -134,11 +134,11 @@ def _run_generate(args) -> int:
     policy = _policy_of(model, args, quant)
     if policy is None or policy["positions"] != "in-cache":  # in-cache positions run past the context
         check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel); refused before any output
     if not args.chat:
         echo = args.prompt if args.prompt_ids is None else (
             tok.decode(prompt_ids) if tok is not None else " ".join(map(str, prompt_ids)))
         print(echo, end="", flush=True)
-    runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
     spec = {} if args.speculative is None else dict(speculative=args.speculative, draft_len=args.draft_len)
     with guard(runner):
         res = generate_streaming(runner, tok, prompt_ids, args.max_new_tokens, cache=args.cache, sampling=sampling,
