@@ -32,8 +32,8 @@ import numpy as np
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import generate
-from minikv.gguf import find_model_file, load_model
 from minikv.kv_cache import ContiguousKVCache, NoCache
+from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

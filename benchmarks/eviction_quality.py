@@ -38,10 +38,9 @@ import numpy as np
 
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
-from minikv.eviction import H2OPolicy, SnapKVPolicy
-from minikv.gguf import find_model_file, load_model
 from minikv.perplexity import SCORE_ROWS, VersusExact, log_softmax
-from minikv.window import EvictingKVCache, WindowPolicy
+from minikv.weights.gguf import find_model_file, load_model
+from minikv.window import EvictingKVCache, H2OPolicy, SnapKVPolicy, WindowPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 SINKS = 4

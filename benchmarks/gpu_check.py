@@ -162,13 +162,13 @@ def run_compares(rt, model_path: str | None, smoke: bool) -> list[dict]:
     from minikv_gpu.compare import DEFAULT_TOL, compare, smollm2_random
 
     if model_path:
-        from minikv.gguf import load_model
+        from minikv.weights.gguf import load_model
 
         model, tok = load_model(model_path)
         ids = tok.encode("The capital of France is")
         label = "SmolLM2-135M GGUF"
     elif smoke:
-        from minikv.model import random_model
+        from minikv.weights.random_models import random_model
 
         model = random_model(num_layers=2, hidden_size=40, num_heads=6, num_kv_heads=2, head_dim=16,
                              intermediate_size=48, vocab_size=300, rope_layout="interleaved", seed=1)

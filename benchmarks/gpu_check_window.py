@@ -11,7 +11,7 @@ Four variants: ``v1``, ``v3`` (register-resident), ``v1_mass`` (v1 with each slo
 H2O accumulates) and ``v3_rope`` (v3 with in-cache rotation: pre-RoPE keys rotated by rank).
 
 Each variant is first run through ``window_decode`` and checked against NumPy on a few sequences
-(``minikv.window.attend_slots`` with ``WindowPolicy.visible``; ``attend_in_cache`` for the rotation;
+(``minikv.window.ring.attend_slots`` with ``WindowPolicy.visible``; ``attend_in_cache`` for the rotation;
 the mass against attend_slots' mass), then timed as the kernel launch alone (``window_decode``
 copies the positions to the host and back per call; the timed launch is the same kernel with the
 same arguments, and its output after timing must equal ``window_decode``'s (within 1e-6), rotating

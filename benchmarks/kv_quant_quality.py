@@ -38,8 +38,8 @@ import numpy as np
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import make_cache
-from minikv.gguf import find_model_file, load_model
 from minikv.perplexity import SCORE_ROWS, VersusExact, log_softmax, perplexity_vs_exact
+from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP, RESIDUAL = 32, 128

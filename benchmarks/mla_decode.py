@@ -6,7 +6,7 @@ The model is DeepSeek-V3's attention geometry per head, scaled down to run on a 
   v_head_dim Dv = 128 (so each token caches W = R + P = 576 values per layer);
 * scaled down: 2 layers (V3: 61), 16 heads (V3: 128), hidden 512 (V3: 7168), a dense SwiGLU
   MLP of width 512, a plain q_proj (V3: q_lora_rank 1536), 256-token vocabulary, random weights
-  (``minikv.random_models.random_mla_model``), float32.
+  (``minikv.weights.random_models.random_mla_model``), float32.
 
 For each context length the prompt is prefilled once into a paged latent cache
 (``LatentPagedKVCache``; the context is a multiple of the block size). Each timed decode step
@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from minikv.bench.equivalence import assert_close  # noqa: E402
 from minikv.bench.machine import describe, machine_info, write_result  # noqa: E402
 from minikv.mla import LatentPagedKVCache, MLAConfig  # noqa: E402
-from minikv.random_models import random_mla_model  # noqa: E402
+from minikv.weights.random_models import random_mla_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 V3 = MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)

@@ -3,7 +3,7 @@
 For tp in (1, 3) this launches ``mpiexec -n tp python benchmarks/parallel.py --rank-run ...`` (runs
 alternate tp = 1, 3, 1, 3, ...; each rank loads the GGUF, one BLAS thread per rank). A run
 prefills a fixed prompt and decodes G tokens greedily through a contiguous cache
-(``minikv.parallel.generate``); it records the median decode step, the greedy tokens and, from the
+(``minikv.parallel.tensor.generate``); it records the median decode step, the greedy tokens and, from the
 collective trace of each decode step, the bytes every rank hands to the collectives (the payload:
 2 L + 1 all-reduces of [1, H] and one all-gather of [1, V]) and what a ring moves per rank
 (2 (p - 1) / p of an all-reduce's payload, (p - 1) / p of an all-gather's).
@@ -35,8 +35,8 @@ PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The 
 
 def rank_run(tp: int, new_tokens: int, out: str) -> None:
     """One mpiexec run: every rank decodes; rank 0 writes the timings and the per-token bytes."""
-    from minikv.gguf import load_model
     from minikv.parallel import ParallelModel
+    from minikv.weights.gguf import load_model
 
     model, tok = load_model()
     pm = ParallelModel(model, tp=tp)

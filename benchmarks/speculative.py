@@ -34,7 +34,7 @@ from pathlib import Path
 
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import GREEDY, generate, make_cache
-from minikv.gguf import find_model_file, load_model
+from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -43,12 +43,12 @@ EXERCISES: dict[str, Exercise] = {
          "reads_every_block or fork_then_write or fork_at_a_block or freed_blocks_are_reused"),
         "3, paged cache"),
     "allocator_decref": Exercise(
-        "step3_allocator", (("decref", "minikv.block_allocator:BlockAllocator.decref"),),
+        "step3_allocator", (("decref", "minikv.paged.allocator:BlockAllocator.decref"),),
         ("tests/test_block_allocator.py", "-k", "bad_calls or ref_counts or freed_registered or manager"),
         "3, paged cache"),
     "q8_0": Exercise(
-        "step5_q8_0", (("encode_q8_0", "minikv.quant_codecs:encode_q8_0"),
-                       ("decode_q8_0", "minikv.quant_codecs:decode_q8_0")),
+        "step5_q8_0", (("encode_q8_0", "minikv.quant.codecs:encode_q8_0"),
+                       ("decode_q8_0", "minikv.quant.codecs:decode_q8_0")),
         ("tests/test_quant.py", "-k", "q8_0"), "5, quantized cache"),
     "ring_slot": Exercise(
         "step6_ring_slot", (("ring_slot", "minikv.window:WindowPolicy.ring_slot"),

@@ -21,9 +21,9 @@ import sys
 from exercises import EXERCISES
 
 # imported before the swap, so that every module holding a copy of a name is found and patched
+# (a chapter package imports all of its modules)
 MODULES = ("minikv.attention", "minikv.online_softmax", "minikv.kv_cache", "minikv.paged", "minikv.mla",
-           "minikv.block_allocator", "minikv.block_manager", "minikv.quant_codecs", "minikv.quant",
-           "minikv.window", "minikv.paged_window", "minikv.model", "minikv.generate")
+           "minikv.quant", "minikv.window", "minikv.model", "minikv.generate")
 
 
 def resolve(target: str):
@@ -70,7 +70,7 @@ def install(name: str, use: str = "stub") -> None:
     for fn, target in ex.targets:
         swap(target, new[fn])
     if name == "q8_0":
-        from minikv import quant_codecs as qc
+        from minikv.quant import codecs as qc
         qc.CODECS["q8_0"] = qc._fixed("q8_0", 2 + qc.QK, new["encode_q8_0"], new["decode_q8_0"])
 
 

@@ -1,6 +1,6 @@
 """Step 3, exercise ``allocator_decref``: give a block back to the allocator.
 
-Reference: ``minikv.block_allocator.BlockAllocator.decref``. Your function replaces that method
+Reference: ``minikv.paged.allocator.BlockAllocator.decref``. Your function replaces that method
 (it gets ``self``, a BlockAllocator); freeing a sequence, preemption and copy-on-write all call it.
 Check: ``python -m exercises allocator_decref``.
 """
@@ -11,7 +11,7 @@ from minikv.errors import InvalidInputError
 def decref(self, block_id: int) -> None:
     """One owner fewer for block ``block_id``.
 
-    What you can use on ``self`` (read minikv/block_allocator.py):
+    What you can use on ``self`` (read minikv/paged/allocator.py):
         b = self.blocks[self._check_id(block_id)]    a Block: ref_count, hash, block_id, forget()
         self._free                                    deque of free block ids (allocate pops the left)
         self._cached_free                             dict block_id -> None, the LRU list of freed

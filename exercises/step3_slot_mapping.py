@@ -1,6 +1,6 @@
 """Step 3, exercise ``slot_mapping``: where a token of a paged sequence lives in the pool.
 
-Reference: ``minikv.paged.slot_mapping``; ``PagedKVCache`` writes and reads every token through it.
+Reference: ``minikv.paged.attention.slot_mapping``; ``PagedKVCache`` writes and reads every token through it.
 Check: ``python -m exercises slot_mapping``.
 """
 

@@ -1,12 +1,12 @@
 """Step 5, exercise ``q8_0``: llama.cpp's q8_0 block, byte for byte.
 
-Reference: ``minikv.quant_codecs.encode_q8_0`` / ``decode_q8_0``; the tests compare your bytes with
+Reference: ``minikv.quant.codecs.encode_q8_0`` / ``decode_q8_0``; the tests compare your bytes with
 the ``gguf`` package's own quantizer. Check: ``python -m exercises q8_0``.
 """
 
 import numpy as np
 
-from minikv.quant_codecs import round_half_away
+from minikv.quant.codecs import round_half_away
 
 QK = 32  # values per q8_0 block
 

@@ -1,6 +1,6 @@
 """Step 6, exercise ``ring_slot``: the sliding window with attention sinks.
 
-Reference: ``minikv.window.WindowPolicy.ring_slot`` and ``.visible``. Both functions replace the
+Reference: ``minikv.window.ring.WindowPolicy.ring_slot`` and ``.visible``. Both functions replace the
 methods of that name (they get ``self``, a WindowPolicy with ``self.window`` = W slots and
 ``self.sinks`` = S). Check: ``python -m exercises ring_slot``.
 """

@@ -61,13 +61,13 @@ def _paged_blocks(max_len: int, max_seqs: int, block_size) -> int:
 # latent twin (``minikv.mla``), which stores [c_kv ; k_pe] per token instead of K and V.
 
 def _build_none(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
-    from minikv.mla import LatentNoCache
+    from minikv.mla.caches import LatentNoCache
 
     return (LatentNoCache if "mla" in args else NoCache)(**args, dtype=dtype)
 
 
 def _build_contiguous(args: dict, max_len: int, max_seqs: int, block_size: int, dtype) -> KVCacheBase:
-    from minikv.mla import LatentContiguousKVCache
+    from minikv.mla.caches import LatentContiguousKVCache
 
     kind = LatentContiguousKVCache if "mla" in args else ContiguousKVCache
     return kind(**args, max_seqs=max_seqs, max_len=max_len, dtype=dtype)
@@ -77,14 +77,15 @@ def paged_cache(args: dict, num_blocks: int, block_size: int, dtype, kv_dtype: s
                 group: int = 32, residual: int | None = None, **options) -> KVCacheBase:
     """A paged cache of ``num_blocks`` blocks for ``model.new_cache_args()`` (the latent twin for MLA).
 
-    ``kv_dtype`` (a key of ``minikv.quant.KV_DTYPES``; None or "fp32": today's float cache) builds a
+    ``kv_dtype`` (a key of ``minikv.quant.formats.KV_DTYPES``; None or "fp32": today's float cache) builds a
     ``QuantizedPagedKVCache`` with ``group`` values per scale. ``residual`` is KIVI's R: for kivi* it
     must equal ``block_size`` (the open block is the residual); other codecs have no R and ignore it.
     ``options`` go to the class (num_host_blocks, enable_prefix_caching, hash_fn, ...).
     """
-    from minikv.mla import LatentPagedKVCache
-    from minikv.paged import PagedKVCache
-    from minikv.quant import QuantizedPagedKVCache, is_kivi
+    from minikv.mla.caches import LatentPagedKVCache
+    from minikv.paged.cache import PagedKVCache
+    from minikv.quant.cache import QuantizedPagedKVCache
+    from minikv.quant.formats import is_kivi
 
     if kv_dtype not in (None, "fp32"):
         if "mla" in args:
@@ -105,7 +106,7 @@ def _build_paged(args: dict, max_len: int, max_seqs: int, block_size: int, dtype
 
 def bytes_per_token(args: dict, dtype) -> int:
     """Cache bytes per token for ``model.new_cache_args()``: 2 L Hkv D, or L (R + P) for MLA, x itemsize."""
-    from minikv.mla import latent_bytes_per_token
+    from minikv.mla.latent import latent_bytes_per_token
 
     if "mla" in args:
         return latent_bytes_per_token(args["mla"], args["num_layers"], dtype)
@@ -116,15 +117,15 @@ def _build_evicting(kind: str):
     """The builder of an eviction kind (step 6): its policy over contiguous slots or paged blocks."""
     def build(args: dict, max_len: int, max_seqs: int, block_size: int, dtype, rope=None, layout="contiguous",
               log: bool = False, **options) -> KVCacheBase:
-        from minikv.eviction import make_policy
-        from minikv.window import EvictingKVCache
+        from minikv.window.ring import EvictingKVCache
+        from minikv.window.scores import make_policy
 
         if "mla" in args:
             raise ConfigError(f"cache {kind!r}: window and eviction (step 6) cover K/V caches, not the MLA latent; "
                               "use none, contiguous or paged with an MLA model")
         policy = make_policy(kind, **options)
         if layout == "paged":
-            from minikv.paged_window import PagedEvictingKVCache
+            from minikv.window.paged import PagedEvictingKVCache
 
             return PagedEvictingKVCache(**args, num_blocks=_paged_blocks(max_len, max_seqs, block_size),
                                         block_size=_paged_block_size(block_size), policy=policy, dtype=dtype,
@@ -198,15 +199,15 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
 
     An MLA model gets the latent cache of that kind (``minikv.mla``). ``kv_dtype`` (a key of
-    ``minikv.quant.KV_DTYPES``) stores K/V quantized (paged kind only; None or "fp32": unchanged);
+    ``minikv.quant.formats.KV_DTYPES``) stores K/V quantized (paged kind only; None or "fp32": unchanged);
     ``group`` is the values per scale of kivi*/fp8*; for kivi* the block holds ``residual`` tokens
     (KIVI's R; ``block_size`` is replaced by it). Refuses (ConfigError) a cache whose K and V
     would not fit in the memory available now, before allocating anything.
-    ``eviction``: the options of a step-6 kind (window/h2o/snapkv): ``minikv.eviction.make_policy``'s
+    ``eviction``: the options of a step-6 kind (window/h2o/snapkv): ``minikv.window.scores.make_policy``'s
     (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling), ``layout``
     ("contiguous" slots, the default, or "paged" blocks) and ``log`` (keep the eviction log that
     ``MaskedRecompute`` needs; default False: it grows with the text); other kinds refuse it.
-    A model that shards itself over ranks (``minikv.parallel.ParallelModel``) builds its rank's cache.
+    A model that shards itself over ranks (``minikv.parallel.tensor.ParallelModel``) builds its rank's cache.
     """
     if hasattr(model, "make_cache"):
         options = dict(kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction)
@@ -220,7 +221,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     args = model.new_cache_args()
     per_token, quant = bytes_per_token(args, dtype), {}
     if kv_dtype not in (None, "fp32"):
-        from minikv.quant import is_kivi
+        from minikv.quant.formats import is_kivi
 
         if kind != "paged":
             raise ConfigError(f"kv_dtype={kv_dtype!r} needs the paged cache (quantized blocks); use kind='paged'")

@@ -11,7 +11,7 @@ Each decoder layer is two residual lines (pre-norm, as in nanoGPT)::
     x = x + mlp_block(x, ...)         # RMSNorm -> SwiGLU -> W_down
 
 A DeepSeek-V2/V3 model (``ModelConfig.mla`` set) swaps the first line's block for
-``mla_attention_block``: low-rank Q, a cached latent, decoupled RoPE (see ``minikv.mla``).
+``minikv.mla.block.mla_attention_block``: low-rank Q, a cached latent, decoupled RoPE.
 
 Shapes: tokens of all sequences in a forward pass are packed along one axis N
 (no padding). H = hidden size, Hq/Hkv = query/KV heads, D = head_dim,
@@ -27,7 +27,8 @@ import numpy as np
 
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_int
 from minikv.layers import ROPE_LAYOUTS, apply_rope, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
-from minikv.mla import LatentUp, MLAConfig
+from minikv.mla.block import MLALayer, MLALayerWeights, mla_attention_block, mla_weight_shapes
+from minikv.mla.latent import LatentUp, MLAConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ModelConfig:
       * "interleaved": pairs are adjacent dims (0,1), (2,3), ... — GGUF/llama.cpp;
       * "half": pairs are (i, i + D/2) — transformers' ``rotate_half``.
     The two are the same model up to a permutation of the Q/K weight rows
-    (``minikv.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
+    (``minikv.weights.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
 
     mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads and
     head_dim describe what is cached, the absorbed form's geometry: MQA over one latent "head"
@@ -97,32 +98,6 @@ class LayerWeights:
 
 
 @dataclass
-class MLALayerWeights:
-    """One MLA decoder layer (transformers' DeepseekV3 names on the right), matrices [in, out].
-
-    The query comes from ``wq`` (q_lora_rank None) or from ``wq_a`` -> RMSNorm ``q_a_norm`` -> ``wq_b``.
-    Biases (``attention_bias``) exist only where DeepSeek has them: q_a, kv_a and o.
-    """
-
-    attn_norm: np.ndarray               # [H]                 input_layernorm
-    wkv_a: np.ndarray                   # [H, r + dr]          kv_a_proj_with_mqa
-    kv_a_norm: np.ndarray               # [R]                 kv_a_layernorm
-    wkv_b: np.ndarray                   # [R, Hq*(Dn + Dv)]   kv_b_proj
-    wo: np.ndarray                      # [Hq*Dv, H]          o_proj
-    mlp_norm: np.ndarray                # [H]                 post_attention_layernorm
-    w_gate: np.ndarray                  # [H, I]
-    w_up: np.ndarray                    # [H, I]
-    w_down: np.ndarray                  # [I, H]
-    wq: np.ndarray | None = None        # [H, Hq*(Dn + dr)]    q_proj
-    wq_a: np.ndarray | None = None      # [H, Rq]             q_a_proj
-    q_a_norm: np.ndarray | None = None  # [Rq]                q_a_layernorm
-    wq_b: np.ndarray | None = None      # [Rq, Hq*(Dn + dr)]   q_b_proj
-    bq_a: np.ndarray | None = None      # [Rq]
-    bkv_a: np.ndarray | None = None     # [r + dr]
-    bo: np.ndarray | None = None        # [H]
-
-
-@dataclass
 class ModelWeights:
     embed: np.ndarray                   # [V, H]
     layers: list[LayerWeights]
@@ -144,14 +119,7 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     for MLA, optional weights absent under ``cfg`` map to None and must be None."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     if cfg.mla is not None:
-        m, hq = cfg.mla, cfg.num_heads
-        rq, q_out = m.q_lora_rank, hq * m.qk_head_dim
-        low_rank = rq is not None
-        return {"attn_norm": (h,), "wkv_a": (h, m.latent_dim), "kv_a_norm": (m.kv_lora_rank,),
-                "wkv_b": (m.kv_lora_rank, hq * (m.qk_nope_head_dim + m.v_head_dim)), "wo": (hq * m.v_head_dim, h),
-                "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
-                "wq": None if low_rank else (h, q_out), "wq_a": (h, rq) if low_rank else None,
-                "q_a_norm": (rq,) if low_rank else None, "wq_b": (rq, q_out) if low_rank else None}
+        return mla_weight_shapes(h, i, cfg.num_heads, cfg.mla)[0]
     return {
         "attn_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
         "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "mlp_norm": (h,),
@@ -168,7 +136,7 @@ def check_weights(cfg: ModelConfig, w: ModelWeights) -> None:
         raise ShapeError(f"{len(w.layers)} layers of weights for num_layers={cfg.num_layers}")
     want = expected_shapes(cfg)
     kind = LayerWeights if cfg.mla is None else MLALayerWeights
-    biases = {"bq_a": (cfg.mla.q_lora_rank,), "bkv_a": (cfg.mla.latent_dim,), "bo": (h,)} if cfg.mla else {}
+    biases = mla_weight_shapes(h, cfg.intermediate_size, cfg.num_heads, cfg.mla)[1] if cfg.mla else {}
     for li, lw in enumerate(w.layers):
         if not isinstance(lw, kind):
             raise ShapeError(f"layers[{li}] is a {type(lw).__name__}; this config needs {kind.__name__}")
@@ -228,64 +196,6 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     return attn.reshape(n, hq * d) @ lw.wo_t.T
 
 
-@dataclass
-class _MLALayer:
-    """An MLA layer prepared like ``_FusedLayer``: the query's first projection (``q_proj`` or
-    ``q_a_proj``) and ``kv_a_proj_with_mqa`` fused into ``wa_t``, everything [out, in]."""
-
-    attn_norm: np.ndarray
-    wa_t: np.ndarray                 # [Hq*(Dn+P) + W, H] (plain q) or [Rq + W, H] (low-rank q)
-    ba: np.ndarray | None            # its bias (zeros where DeepSeek has none), or None
-    q_a_norm: np.ndarray | None      # [Rq]
-    wq_b_t: np.ndarray | None        # [Hq*(Dn+P), Rq]
-    kv_a_norm: np.ndarray            # [R]
-    wo_t: np.ndarray                 # [H, Hq*Dv]
-    bo: np.ndarray | None            # [H]
-    mlp_norm: np.ndarray
-    w_gate_up_t: np.ndarray
-    w_down_t: np.ndarray
-
-    @classmethod
-    def prepare(cls, lw: MLALayerWeights) -> "_MLALayer":
-        t = np.ascontiguousarray
-        first = lw.wq if lw.wq is not None else lw.wq_a
-        ba = None
-        if lw.bq_a is not None or lw.bkv_a is not None:
-            zeros = np.zeros_like
-            ba = np.concatenate([zeros(first[0]) if lw.bq_a is None else lw.bq_a,
-                                 zeros(lw.wkv_a[0]) if lw.bkv_a is None else lw.bkv_a])
-        return cls(lw.attn_norm, t(np.concatenate([first, lw.wkv_a], axis=1).T), ba, lw.q_a_norm,
-                   None if lw.wq_b is None else t(lw.wq_b.T), lw.kv_a_norm, t(lw.wo.T), lw.bo, lw.mlp_norm,
-                   t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T))
-
-
-def mla_attention_block(x: np.ndarray, lw: _MLALayer, cfg: ModelConfig, cache, li: int,
-                        cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Layer ``li``'s MLA attention branch (DeepSeek-V2/V3), the same contract as ``attention_block``.
-
-    x: [N, H]; cos, sin: [N, P/2]. The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]``
-    ([N, 1, Dl]: normalised c_kv, rotated k_pe) and attends for the queries ``[q_nope ; RoPE(q_pe)]``
-    ([N, Hq, Dn + dr]), returning [N, Hq, Dv]; returns [N, H] = that @ Wo (+ bias).
-    """
-    m, n, hq = cfg.mla, x.shape[0], cfg.num_heads
-    dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim
-    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
-    a = h @ lw.wa_t.T
-    if lw.ba is not None:
-        a = a + lw.ba
-    q, kv_a = a[:, :-w], a[:, -w:]
-    if lw.wq_b_t is not None:  # the low-rank query path: q_a -> RMSNorm -> q_b
-        q = rms_norm(q, lw.q_a_norm, m.latent_eps) @ lw.wq_b_t.T
-    q = q.reshape(n, hq, m.qk_head_dim)
-    c_kv = rms_norm(kv_a[:, :r], lw.kv_a_norm, m.latent_eps)
-    # decoupled RoPE: only the queries' last P dims and the one shared k_pe rotate (in one go)
-    rot = apply_rope(np.concatenate([q[:, :, dn:], kv_a[:, None, r:]], axis=1), cos, sin, m.rope_layout)
-    cache.write(li, np.concatenate([c_kv, rot[:, hq]], axis=-1)[:, None], None)
-    attn = cache.attend(li, np.concatenate([q[:, :, :dn], rot[:, :hq]], axis=-1))  # [N, Hq, Dv]
-    out = attn.reshape(n, hq * m.v_head_dim) @ lw.wo_t.T
-    return out if lw.bo is None else out + lw.bo
-
-
 def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     """A layer's SwiGLU MLP branch: x [N, H] -> [N, H] = (silu(h Wg) * h Wu) Wd, h = RMSNorm(x)."""
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
@@ -319,7 +229,7 @@ class Model:
         t = np.ascontiguousarray
         c = self.config
         if c.mla is not None:
-            self._layers = [_MLALayer.prepare(lw) for lw in w.layers]
+            self._layers = [MLALayer.prepare(lw) for lw in w.layers]
             self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w.layers]
             self._attention = mla_attention_block
             self.cos, self.sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, self.dtype,
@@ -335,8 +245,8 @@ class Model:
 
     @property
     def prepared_layers(self) -> list:
-        """The layers as ``forward`` runs them (``_FusedLayer`` or ``_MLALayer``), for loops that call the
-        branches themselves (``minikv.parallel`` puts an all-reduce after each)."""
+        """The layers as ``forward`` runs them (``_FusedLayer`` or ``minikv.mla.block.MLALayer``), for loops
+        that call the branches themselves (``minikv.parallel`` puts an all-reduce after each)."""
         return self._layers
 
     def new_cache_args(self) -> dict:
@@ -427,15 +337,7 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Uncached logits of every position of one sequence: [T, V]. The reference for all caches."""
         from minikv.kv_cache import NoCache
-        from minikv.mla import LatentNoCache
+        from minikv.mla.caches import LatentNoCache
 
         kind = NoCache if self.config.mla is None else LatentNoCache
         return self.forward([ids], kind(**self.new_cache_args(), dtype=self.dtype), all_logits=True)
-
-
-def random_model(*args, **kwargs) -> Model:
-    """A tiny random Llama-style model: ``minikv.random_models.random_model`` (imported lazily:
-    that module builds on this one)."""
-    from minikv.random_models import random_model as build
-
-    return build(*args, **kwargs)

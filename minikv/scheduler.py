@@ -56,7 +56,8 @@ import numpy as np
 
 from minikv.errors import CacheFullError, ConfigError, InvalidInputError, check_choice, check_int
 from minikv.model import Model
-from minikv.paged import PagedKVCache, num_blocks_for
+from minikv.paged.allocator import num_blocks_for
+from minikv.paged.cache import PagedKVCache
 from minikv.sampling import GREEDY, SamplingParams, sample
 
 PREEMPTION_MODES = ("recompute", "swap")

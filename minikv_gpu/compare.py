@@ -26,7 +26,7 @@ from minikv.bench.equivalence import max_abs_err, rel_err
 from minikv.errors import ConfigError, InvalidInputError, check_int
 from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs the lossless ones
 from minikv.model import Model as CpuModel
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 from minikv_gpu import kv_cache as gpu_cache
 from minikv_gpu import mla as gpu_mla
 from minikv_gpu import paged as gpu_paged

@@ -32,8 +32,8 @@ import numpy as np
 from minikv import mla as _cpu
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
-from minikv.mla import FORMS, LatentUp, MLAConfig, latent_bytes_per_token
-from minikv.paged import query_positions, slot_mapping
+from minikv.mla.latent import FORMS, LatentUp, MLAConfig, latent_bytes_per_token
+from minikv.paged.attention import query_positions, slot_mapping
 from minikv_gpu.runtime import check_device_rows, device_f32, get_runtime, multiprocessors
 
 __all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "mla_defines", "latent_write",
@@ -168,7 +168,7 @@ class _LatentKernels:
 
 
 class LatentNoCache(_LatentKernels, _cpu.LatentNoCache):
-    """``minikv.mla.LatentNoCache`` on the GPU: keeps nothing; ``attend`` runs the absorbed kernel over
+    """``minikv.mla.caches.LatentNoCache`` on the GPU: keeps nothing; ``attend`` runs the absorbed kernel over
     the step's own latents (every sequence's rows of the step, addressed through a block table of
     block size 1), instead of the NumPy baseline's textbook expanded form."""
 
@@ -199,7 +199,7 @@ class LatentNoCache(_LatentKernels, _cpu.LatentNoCache):
 
 
 class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
-    """``minikv.mla.LatentContiguousKVCache`` with ``latent: [L, max_seqs, 1, max_len, Dl]`` on the device.
+    """``minikv.mla.caches.LatentContiguousKVCache`` with ``latent: [L, max_seqs, 1, max_len, Dl]`` on the device.
 
     runtime: the kernel runtime; num_splits: split-K ranges per history (None: nearest one wave).
     ``write`` takes float32 latents [N, 1, Dl], ``attend`` float32 q [N, Hq, Dn + dr]; results on the device.
@@ -256,7 +256,7 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
 
 
 class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
-    """``minikv.mla.LatentPagedKVCache`` with ``pool: [L, num_blocks, block_size, Dl]`` on the device.
+    """``minikv.mla.caches.LatentPagedKVCache`` with ``pool: [L, num_blocks, block_size, Dl]`` on the device.
 
     Arguments as the NumPy class, plus runtime and num_splits (as ``LatentContiguousKVCache``).
     """

@@ -22,8 +22,10 @@ import numpy as np
 
 from minikv import model as _cpu
 from minikv.errors import ConfigError, DTypeError, ShapeError
-from minikv.mla import LatentUp
+from minikv.mla.block import MLALayer
+from minikv.mla.latent import LatentUp
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
+from minikv.weights import random_models
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
 from minikv_gpu.mla import LatentContiguousKVCache, LatentNoCache, LatentPagedKVCache, mla_defines
 from minikv_gpu.paged import PagedKVCache
@@ -114,7 +116,7 @@ class _FusedLayer:
 
 @dataclass
 class _MLADeviceLayer:
-    """``minikv.model._MLALayer`` on the device, matrices back to [in, out] (x @ W)."""
+    """``minikv.mla.block.MLALayer`` on the device, matrices back to [in, out] (x @ W)."""
 
     attn_norm: object
     wa: object             # [H, Hq*(Dn+P) + W] or [H, Rq + W]: the query's first projection and kv_a, fused
@@ -129,7 +131,7 @@ class _MLADeviceLayer:
     w_down: object
 
     @classmethod
-    def upload(cls, lw: "_cpu._MLALayer", up) -> "_MLADeviceLayer":
+    def upload(cls, lw: MLALayer, up) -> "_MLADeviceLayer":
         opt = lambda a, t=False: None if a is None else up(a.T if t else a)  # noqa: E731
         return cls(up(lw.attn_norm), up(lw.wa_t.T), opt(lw.ba), opt(lw.q_a_norm), opt(lw.wq_b_t, True),
                    up(lw.kv_a_norm), up(lw.wo_t.T), opt(lw.bo), up(lw.mlp_norm), up(lw.w_gate_up_t.T),
@@ -137,7 +139,7 @@ class _MLADeviceLayer:
 
 
 def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, rt):
-    """``minikv.model.mla_attention_block`` on the device: x [N, H] -> [N, H].
+    """``minikv.mla.block.mla_attention_block`` on the device: x [N, H] -> [N, H].
 
     The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]`` [N, 1, W] and attends for
     ``[q_nope ; RoPE(q_pe)]`` [N, Hq, Dn + P] (a ``minikv_gpu.mla`` latent cache)."""
@@ -204,7 +206,7 @@ class Model(_cpu.Model):
         self.final_norm = up(w.final_norm)
         if c.mla is not None:
             w32 = w.astype(np.float32)
-            self._layers = [_MLADeviceLayer.upload(_cpu._MLALayer.prepare(lw), up) for lw in w32.layers]
+            self._layers = [_MLADeviceLayer.upload(MLALayer.prepare(lw), up) for lw in w32.layers]
             self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w32.layers]
             cos, sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, np.float32, yarn=c.mla.yarn)
             self.cos, self.sin = up(cos), up(sin)
@@ -291,6 +293,6 @@ def from_cpu(model: _cpu.Model, *, runtime=None, cache_dtype=np.float32, fused: 
 
 
 def random_model(*args, runtime=None, cache_dtype=np.float32, fused: bool = False, **kwargs) -> Model:
-    """``minikv.model.random_model`` (same arguments, same weights for the same seed) on the GPU."""
+    """``minikv.weights.random_models.random_model`` (same arguments, same weights for the same seed) on the GPU."""
     kwargs.setdefault("dtype", np.float32)
-    return from_cpu(_cpu.random_model(*args, **kwargs), runtime=runtime, cache_dtype=cache_dtype, fused=fused)
+    return from_cpu(random_models.random_model(*args, **kwargs), runtime=runtime, cache_dtype=cache_dtype, fused=fused)

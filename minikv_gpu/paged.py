@@ -51,10 +51,10 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import paged as _cpu
-from minikv.block_allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for  # host-side, as is
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
-from minikv.paged import check_paged_attention_args, default_blocks_per_tile, query_positions, slot_mapping
+from minikv.paged.allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for  # host-side, as is
+from minikv.paged.attention import check_paged_attention_args, default_blocks_per_tile, query_positions, slot_mapping
 from minikv_gpu.kv_cache import resolve_version, v3_blocks_per_sm, v3_defines, v3_refusal
 from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
@@ -237,7 +237,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
 def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
                     blocks_per_tile: int | None = None, *, version: int | None = None,
                     partition_size: int = PARTITION_SIZE, runtime=None):
-    """``minikv.paged.paged_attention`` on the GPU: packed queries over each sequence's blocks.
+    """``minikv.paged.attention.paged_attention`` on the GPU: packed queries over each sequence's blocks.
 
     q:            [N, Hq, D] float32 (host or device)
     k_pool:       [num_blocks, block_size, Hkv, D] device array, float32 or float16 (v_pool the same)
@@ -325,7 +325,7 @@ def copy_blocks(src_k, src_v, dst_k, dst_v, pairs, *, runtime=None) -> None:
 # --- the cache -----------------------------------------------------------------------------------
 
 class PagedKVCache(_cpu.PagedKVCache):
-    """``minikv.paged.PagedKVCache`` with its pools on the device (see the module docstring).
+    """``minikv.paged.cache.PagedKVCache`` with its pools on the device (see the module docstring).
 
     Arguments as the NumPy class (``blocks_per_tile`` is checked and unused: the kernels walk
     tiles of ``KEY_TILE`` keys whatever the block size), plus:

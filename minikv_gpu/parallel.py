@@ -2,7 +2,7 @@
 
     mpiexec -n 3 python -c "..."          # each rank: DeviceParallelModel(model, tp=3)
 
-Each rank's share is ``minikv.parallel.shard_model``'s slice uploaded as a ``minikv_gpu.model.Model``
+Each rank's share is ``minikv.parallel.tensor.shard_model``'s slice uploaded as a ``minikv_gpu.model.Model``
 (its kernels, its device caches); the loop is ``ParallelModel``'s (the step check by ``agree``,
 then per layer attention -> all-reduce, MLP -> all-reduce, the logits gathered by vocabulary),
 with the branches computed on the device. The collectives take device arrays:
@@ -20,16 +20,16 @@ with the branches computed on the device. The collectives take device arrays:
 Left for a multi-GPU machine: NCCL itself with more than one rank, overlapping the all-reduces
 with the next GEMM, and timings. Context parallelism (cp) needs the latent attention kernels to
 return their (m, l, acc) state instead of the finished output; until then it is host-only
-(``minikv.parallel_mla``). Logits come back on the device, as from ``minikv_gpu.model.Model``.
+(``minikv.parallel.context``). Logits come back on the device, as from ``minikv_gpu.model.Model``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from minikv.collectives import Collectives
 from minikv.errors import ConfigError, check_choice
-from minikv.parallel import ParallelModel
+from minikv.parallel.collectives import Collectives
+from minikv.parallel.tensor import ParallelModel
 from minikv_gpu import model as gpu_model
 from minikv_gpu.runtime import get_runtime
 

@@ -1,12 +1,12 @@
 """Step 5 on the GPU: the quantized paged KV cache (mirrors ``minikv.quant``).
 
-The bookkeeping is the NumPy reference's, inherited unchanged (``minikv.quant.QuantizedPagedKVCache``
+The bookkeeping is the NumPy reference's, inherited unchanged (``minikv.quant.cache.QuantizedPagedKVCache``
 over the GPU ``PagedKVCache`` of ``minikv_gpu.paged``): which blocks a step fills, when a block is
 published as quantized (commit), the ``quantized`` flags, the view tables. What moves to the device
 (``kernels/quant.cu``):
 
 * ``k_codes, v_codes: [L, num_blocks, block_bytes] uint8`` are device arrays holding exactly the
-  bytes of ``minikv.quant_codecs`` (bit for bit); the residual pools are the GPU ``PagedKVCache``'s;
+  bytes of ``minikv.quant.codecs`` (bit for bit); the residual pools are the GPU ``PagedKVCache``'s;
 * ``write`` -> ``reshape_and_cache`` into the residual, then ``quantize_blocks_v1`` encodes the blocks
   the step fills (the NumPy cache's rule: encoded at write, published at commit);
 * ``attend`` -> ``quant_decode_attention_v3`` (decode_v3.cuh's register-resident design, dequantizing
@@ -30,7 +30,8 @@ import numpy as np
 from minikv import quant as _cpu
 from minikv.errors import ConfigError
 from minikv.kv_cache import Step
-from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
+from minikv.quant.cache import QuantizedPool, dequantize_tile, quantized_paged_attention, view_tables
+from minikv.quant.formats import KV_DTYPES, kv_format
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu.kv_cache import v3_refusal
 from minikv_gpu.runtime import check_device_query, check_device_rows, check_version, device_f32, head_dim_defines
@@ -99,7 +100,7 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
 
 
 class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache):
-    """``minikv.quant.QuantizedPagedKVCache`` with its residual pools and codes on the device.
+    """``minikv.quant.cache.QuantizedPagedKVCache`` with its residual pools and codes on the device.
 
     Arguments as the NumPy class (``kv_dtype`` one of ``GPU_KV_DTYPES``), plus the GPU
     ``PagedKVCache``'s ``runtime``, ``version`` (None or 3) and ``partition_size``.

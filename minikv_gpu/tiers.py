@@ -1,6 +1,6 @@
 """The host offload tier on the GPU (mirrors ``minikv.tiers``): pinned host pools, copies on their own stream.
 
-The bookkeeping is ``minikv.tiers.OffloadTier``'s, unchanged; only the copy engine differs.
+The bookkeeping is ``minikv.tiers.tier.OffloadTier``'s, unchanged; only the copy engine differs.
 ``OffloadTier(cache, policy, storage=AsyncCacheStorage(cache))`` over a ``minikv_gpu.paged.PagedKVCache``
 (or the quantized ``minikv_gpu.quant.QuantizedPagedKVCache``):
 
@@ -37,7 +37,7 @@ needed (``rt.stream(deferred=True)``), where a broken rule shows up as wrong num
 from __future__ import annotations
 
 from minikv.errors import ConfigError
-from minikv.tiers import CacheStorage
+from minikv.tiers.tier import CacheStorage
 from minikv_gpu.paged import PagedKVCache
 
 __all__ = ["AsyncCacheStorage", "HOST_POOLS"]
@@ -57,7 +57,7 @@ class AsyncCacheStorage(CacheStorage):
     def __init__(self, cache, stream=None):
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"AsyncCacheStorage needs a minikv_gpu.paged.PagedKVCache, got {type(cache).__name__}; "
-                              "a NumPy cache takes minikv.tiers.CacheStorage")
+                              "a NumPy cache takes minikv.tiers.tier.CacheStorage")
         if cache.seq_ids() or cache.blocks.tier is not None:
             raise ConfigError("build AsyncCacheStorage on a fresh cache (no sequences, no tier yet)")
         super().__init__(cache)

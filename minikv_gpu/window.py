@@ -8,11 +8,11 @@ on the stored positions, as the base ``Policy``, H2O and SnapKV see their slots)
 
 * ``rope=(cos, sin, layout)``: in-cache positions (StreamingLLM). q and k are *pre-RoPE*; every
   visible key is rotated by its rank among the visible keys and the query by its own rank, the
-  window policy's closed form (``minikv.window.rank_positions`` on a ring that lost nothing else);
+  window policy's closed form (``minikv.window.ring.rank_positions`` on a ring that lost nothing else);
 * ``want_mass=True``: also return each slot's softmax mass summed over the G query heads of its KV
-  head (``minikv.window.attend_slots``' ``mass``, what H2O accumulates), 0 where not visible.
+  head (``minikv.window.ring.attend_slots``' ``mass``, what H2O accumulates), 0 where not visible.
 
-``EvictingKVCache`` is ``minikv.window.EvictingKVCache`` with single-token decode steps attended by
+``EvictingKVCache`` is ``minikv.window.ring.EvictingKVCache`` with single-token decode steps attended by
 those kernels (the slots and the step's own new token, appended as one more slot). Prefill and
 multi-token steps, and the policies' bookkeeping (placement, eviction, the log), stay the inherited
 NumPy path; the storage itself stays in host NumPy arrays, copied to the device per call.
@@ -166,7 +166,7 @@ def _policy_args(policy) -> tuple[int, int]:
 
 
 class EvictingKVCache(_cpu.EvictingKVCache):
-    """``minikv.window.EvictingKVCache`` whose single-token decode steps run ``window_decode`` (v3, or v1 when the
+    """``minikv.window.ring.EvictingKVCache`` whose single-token decode steps run ``window_decode`` (v3, or v1 when the
     policy needs each key's mass, as H2O does).
 
     Arguments as the NumPy class, plus ``runtime`` (a backend name or Runtime; None: the default).

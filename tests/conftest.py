@@ -43,9 +43,9 @@ def require():
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (``minikv.gguf.find_model_file``)."""
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (``minikv.weights.gguf.find_model_file``)."""
     from minikv.errors import ModelFileNotFoundError
-    from minikv.gguf import find_model_file
+    from minikv.weights.gguf import find_model_file
 
     try:
         return find_model_file()
@@ -60,7 +60,7 @@ def smollm2(smollm2_path):
     The weights are read-only and shared with every other ``load_model`` of the
     same file in this process.
     """
-    from minikv.gguf import load_model
+    from minikv.weights.gguf import load_model
 
     return load_model(smollm2_path)
 

@@ -94,7 +94,7 @@ def save_checkpoint(model, folder: Path) -> Path:
 
 def build_model(spec: dict, dtype: str):
     """The model of a case: {"kind": "gqa"|"mla", **random_model kwargs} (mla: "mla" = default_mla kwargs)."""
-    from minikv.random_models import default_mla, random_mla_model, random_model
+    from minikv.weights.random_models import default_mla, random_mla_model, random_model
 
     spec = dict(spec)
     kind = spec.pop("kind")
@@ -149,7 +149,7 @@ def cases(path: str, outdir: str) -> None:
 
 
 def _tiny():
-    from minikv.random_models import random_model
+    from minikv.weights.random_models import random_model
 
     return random_model(num_heads=9, num_kv_heads=3, hidden_size=36, intermediate_size=50, vocab_size=97,
                         dtype=np.float64)
@@ -183,8 +183,7 @@ def faults() -> None:
 def abort() -> None:
     from mpi4py import MPI
 
-    from minikv.collectives import abort_on_error
-    from minikv.parallel import ParallelModel
+    from minikv.parallel import ParallelModel, abort_on_error
 
     world = MPI.COMM_WORLD
     pm = ParallelModel(_tiny(), tp=world.size)

@@ -5,10 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.block_allocator import BlockAllocator, chain_hash
-from minikv.block_manager import BlockManager
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
 from minikv.kv_cache import make_step
+from minikv.paged import BlockAllocator, BlockManager, chain_hash
 
 
 def test_bad_calls_raise_typed_errors_and_change_nothing():

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (minikv.checkpoints): tiny random models saved by transformers load and match it.
+"""Hugging Face checkpoints (minikv.weights.checkpoints): tiny random models saved by transformers load and match it.
 
 The reference tests build a ``DeepseekV3ForCausalLM`` (dense) or a ``LlamaForCausalLM`` from a
 config with a fixed seed, save it with ``save_pretrained`` into a temporary directory, load it
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from minikv.bench.equivalence import assert_close, rel_err
-from minikv.checkpoints import load_checkpoint
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
 from minikv.generate import generate, make_cache
+from minikv.weights.checkpoints import load_checkpoint
 
 VOCAB, PROMPT, NEW = 97, 11, 8
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=1.0,

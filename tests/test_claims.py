@@ -132,7 +132,7 @@ def test_seed_deepseek_v3_caches_576_values_not_128_wide_heads():
 
 def test_seed_mla_cache_holds_the_latent_not_decompressed_kv():
     from minikv.mla import LatentContiguousKVCache
-    from minikv.random_models import random_mla_model
+    from minikv.weights.random_models import random_mla_model
 
     model = random_mla_model(dtype=np.float64)
     args = model.new_cache_args()
@@ -186,7 +186,7 @@ def test_seed_past_queries_are_not_needed_for_the_next_token():
 
 def test_seed_cached_equals_uncached_up_to_rounding():
     from minikv.kv_cache import ContiguousKVCache, NoCache
-    from minikv.model import random_model
+    from minikv.weights.random_models import random_model
 
     m = random_model(dtype=np.float64)
     ids = np.arange(20) % m.config.vocab_size
@@ -219,8 +219,8 @@ def test_seed_no_cache_recomputes_every_past_k_and_v():
 
 
 def test_seed_paged_memory_grows_with_the_sequence():
-    from minikv.model import random_model
     from minikv.paged import PagedKVCache
+    from minikv.weights.random_models import random_model
 
     m = random_model()
     cache = PagedKVCache(**m.new_cache_args(), num_blocks=64, block_size=16)
@@ -234,7 +234,7 @@ def test_seed_paged_memory_grows_with_the_sequence():
 
 
 def test_seed_paged_pool_has_no_external_fragmentation():
-    from minikv.block_allocator import BlockAllocator
+    from minikv.paged import BlockAllocator
 
     pool = BlockAllocator(8, 16, enable_prefix_caching=False)
     blocks = pool.allocate_many(8)
@@ -245,8 +245,8 @@ def test_seed_paged_pool_has_no_external_fragmentation():
 
 
 def test_seed_paged_cache_shares_full_prefix_blocks():
-    from minikv.model import random_model
     from minikv.paged import PagedKVCache
+    from minikv.weights.random_models import random_model
 
     m = random_model()
     cache = PagedKVCache(**m.new_cache_args(), num_blocks=16, block_size=16)
@@ -263,7 +263,7 @@ def test_seed_paged_cache_shares_full_prefix_blocks():
 
 
 def test_seed_block_size_sets_the_internal_waste():
-    from minikv.block_allocator import num_blocks_for
+    from minikv.paged import num_blocks_for
 
     lengths = [40, 90, 15, 120, 700, 33]
     assert sum(num_blocks_for(n, 16) * 16 for n in lengths) == 1040
@@ -313,8 +313,8 @@ def test_seed_kernel_fusion_bounds_a_decode_step():
 
 
 def test_seed_packed_batch_needs_no_length_grouping():
-    from minikv.model import random_model
     from minikv.paged import PagedKVCache
+    from minikv.weights.random_models import random_model
 
     m = random_model(dtype=np.float64)
     a, b = np.arange(5) % 101, (7 * np.arange(40)) % 101
@@ -346,9 +346,8 @@ def test_seed_rope_keys_are_cached_once_rotated():
 
 
 def test_seed_prefix_cache_keys_the_whole_prefix():
-    from minikv.block_allocator import chain_hash
-    from minikv.model import random_model
-    from minikv.paged import PagedKVCache
+    from minikv.paged import PagedKVCache, chain_hash
+    from minikv.weights.random_models import random_model
 
     block = list(range(16, 32))
     assert chain_hash(chain_hash(None, range(16)), block) != chain_hash(chain_hash(None, [0] * 16), block)
@@ -383,10 +382,8 @@ def test_seed_kv_sharding_with_minikv_parallel():
     import json
     from pathlib import Path
 
-    from minikv.collectives import Collective
     from minikv.costs import get_preset, kv_cache_bytes
-    from minikv.parallel import head_plan, imbalance
-    from minikv.parallel_mla import striped_positions
+    from minikv.parallel import Collective, head_plan, imbalance, striped_positions
 
     smol = get_preset("smollm2-135m")                      # 30 layers, H 576, 9 query / 3 KV heads, V 49152
     bench = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/parallel.json").read_text())
@@ -417,8 +414,8 @@ def test_seed_kv_sharding_with_minikv_parallel():
         assert held == [12 // cp] * cp
 
 def test_seed_paged_pool_is_allocated_once():
-    from minikv.model import random_model
     from minikv.paged import PagedKVCache
+    from minikv.weights.random_models import random_model
 
     m = random_model()
     cache = PagedKVCache(**m.new_cache_args(), num_blocks=32, block_size=16)
@@ -437,8 +434,8 @@ def test_seed_paged_pool_is_allocated_once():
 
 def test_seed_paging_is_not_offloading():
     from minikv.errors import InvalidInputError
-    from minikv.model import random_model
     from minikv.paged import PagedKVCache
+    from minikv.weights.random_models import random_model
 
     m = random_model()
     cache = PagedKVCache(**m.new_cache_args(), num_blocks=8, block_size=16, num_host_blocks=8)
@@ -474,8 +471,8 @@ def test_seed_offloading_is_bound_by_pcie():
 
 
 def test_seed_mla_cache_has_no_head_axis_and_block_size_is_a_trade():
-    from minikv.block_allocator import num_blocks_for
     from minikv.costs import get_preset, kv_values_per_token
+    from minikv.paged import num_blocks_for
 
     v3 = get_preset("deepseek-v3")
     per_layer = kv_values_per_token(v3) // v3.num_layers          # values per token per layer: no head axis
@@ -488,7 +485,7 @@ def test_seed_mla_cache_has_no_head_axis_and_block_size_is_a_trade():
 
 def test_seed_layers_depend_on_the_layer_below():
     from minikv.kv_cache import ContiguousKVCache
-    from minikv.model import random_model
+    from minikv.weights.random_models import random_model
 
     m = random_model(dtype=np.float64)
     ids = np.arange(12) % 101

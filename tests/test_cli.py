@@ -129,13 +129,13 @@ def test_generate_prompt_ids_equal_the_encoded_prompt(capsys, smollm2, smollm2_p
 def checkpoint_dir(monkeypatch, tmp_path):
     """A --model directory that loads as a tiny random model without a tokenizer (what a checkpoint gives).
 
-    ``minikv.checkpoints`` is another step's module; here its loader is replaced so the CLI's
+    ``minikv.weights.checkpoints`` is another step's module; here its loader is replaced so the CLI's
     tokenizer-less paths are tested on their own.
     """
     import numpy as np
 
     from minikv.cli import common
-    from minikv.model import random_model
+    from minikv.weights.random_models import random_model
 
     model = random_model(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
                          vocab_size=64, dtype=np.float64)

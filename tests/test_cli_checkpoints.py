@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from minikv.checkpoints import load_checkpoint
 from minikv.cli import main
 from minikv.generate import generate
 from minikv.perplexity import perplexity
+from minikv.weights.checkpoints import load_checkpoint
 
 pytestmark = pytest.mark.reference
 

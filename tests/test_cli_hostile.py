@@ -279,9 +279,9 @@ def test_ids_past_the_vocabulary_are_refused_once_the_model_is_known(argv, smoll
 def test_a_checkpoint_directory_without_minikv_checkpoints_is_refused(monkeypatch, tmp_path):
     import sys
 
-    monkeypatch.setitem(sys.modules, "minikv.checkpoints", None)  # importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "minikv.weights.checkpoints", None)  # importing it raises ImportError
     line = assert_refused(["generate", "--prompt-ids", "1,2", "--model", str(tmp_path)], "--model")
-    assert "ModelFormatError" in line and "minikv.checkpoints" in line
+    assert "ModelFormatError" in line and "minikv.weights.checkpoints" in line
 
 
 @pytest.mark.parametrize("command", ["generate", "perplexity"])

@@ -35,7 +35,7 @@ from minikv.costs import (
 )
 from minikv.errors import ConfigError, InvalidInputError
 from minikv.kv_cache import ContiguousKVCache
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 
 GB, GiB, MiB = 10**9, 2**30, 2**20
 
@@ -325,7 +325,7 @@ def test_mla_prefill_is_expanded_by_hand():
     assert f["projections"] == 4 * (MLA_BASE + MLA_UP)
     assert (f["scores"], f["weighted_v"]) == (10 * MLA_EXP_SCORE, 10 * MLA_EXP_V) == (200, 160)
     # a prefill chunk of 3 after 5 cached: its own 1 + 2 + 3 = 6 keys expanded, the 3 x 5 = 15 cached ones
-    # absorbed (as minikv.mla.latent_attention runs it); the 3 queries also pay W_UK / W_UV for the absorbed part
+    # absorbed (as minikv.mla.latent.latent_attention runs it); the 3 queries also pay W_UK / W_UV for the absorbed part
     f = layer_flops(TINY_MLA, 0, num_tokens=3, past=5)
     assert f["projections"] == 3 * MLA_BASE + 3 * MLA_UP + 3 * MLA_UP
     assert f["scores"] == 6 * MLA_EXP_SCORE + 15 * MLA_ABS_SCORE

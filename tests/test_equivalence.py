@@ -11,7 +11,7 @@ import pytest
 
 from minikv.bench.equivalence import assert_close
 from minikv.generate import CACHE_KINDS, make_cache
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 
 SHAPES = {"gqa-half": dict(num_heads=6, num_kv_heads=2, rope_layout="half"),
           "mqa-interleaved": dict(num_heads=4, num_kv_heads=1, head_dim=6, hidden_size=28,

@@ -1,4 +1,4 @@
-"""Errata of issue 13 in the interview guide, the README, formulas.md and minikv.paged: every number
+"""Errata of issue 13 in the interview guide, the README, formulas.md and minikv.paged.attention: every number
 the fixed text quotes is recomputed here from ml_dtypes or minikv's own functions."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import minikv.paged
+import minikv.paged.attention
 from minikv import online_softmax
 from minikv.attention import causal_attention
 from minikv.costs import (
@@ -126,7 +126,7 @@ def _int32_limit_numbers(name: str, dtype: str) -> tuple[int, int, int]:
 
 
 def test_q17_int32_offsets_limit_one_layer_pool():
-    q17, doc = flat(question(17)), flat(minikv.paged.__doc__)
+    q17, doc = flat(question(17)), flat(minikv.paged.attention.__doc__)
     slots, pool, whole = _int32_limit_numbers("llama3-8b", "fp16")
     assert slots == 2**21 == 2_097_152 and pool == 4 * 2**30
     assert format_bytes(whole).startswith("274.88 GB")

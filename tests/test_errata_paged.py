@@ -26,9 +26,9 @@ import pytest
 
 from minikv.bench.workloads import ReserveMaxLen, Workload, bench_model
 from minikv.costs import ModelShape, expanded_kv_values_per_token, get_preset, kv_values_per_token
-from minikv.model import random_model
 from minikv.paged import PagedKVCache, num_blocks_for
 from minikv.scheduler import Request, Scheduler
+from minikv.weights.random_models import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

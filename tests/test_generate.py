@@ -5,7 +5,7 @@ import pytest
 
 from minikv.errors import InvalidInputError
 from minikv.generate import GREEDY, SamplingParams, generate, sample, stream
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 
 
 @pytest.fixture(scope="module")

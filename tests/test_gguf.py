@@ -15,18 +15,19 @@ import gguf
 import numpy as np
 import pytest
 
-from minikv import gguf as mg
 from minikv.bench.equivalence import rel_err
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError
-from minikv.model import Model, random_model
-from minikv.tokenizer import bytes_to_unicode
+from minikv.model import Model
+from minikv.weights import gguf as mg
+from minikv.weights.random_models import random_model
+from minikv.weights.tokenizer import bytes_to_unicode
 
 # --- a tiny GGUF writer (what llama.cpp's converter does, for a random model) ------------------
 
 def llamacpp_permute(w_out_in: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of a HF [out, in] Q/K matrix (half -> interleaved).
 
-    Written independently of ``minikv.gguf.permute_qk`` so the tests check one against the other.
+    Written independently of ``minikv.weights.gguf.permute_qk`` so the tests check one against the other.
     """
     out, d_in = w_out_in.shape
     return w_out_in.reshape(n_head, 2, out // n_head // 2, d_in).swapaxes(1, 2).reshape(out, d_in)
@@ -258,8 +259,8 @@ def test_tiny_tokenizer(tiny_path):
 
 
 def test_tokenizer_names_still_importable_from_gguf():
-    """The tokenizer moved to minikv.tokenizer; imports written against minikv.gguf keep working."""
-    import minikv.tokenizer as mt
+    """The tokenizer moved to minikv.weights.tokenizer; imports written against minikv.weights.gguf keep working."""
+    import minikv.weights.tokenizer as mt
 
     for name in ("Tokenizer", "StreamDecoder", "bytes_to_unicode", "GPT2_SPLIT", "SUPPORTED_PRE_TOKENIZERS",
                  "TOKEN_TYPE_NORMAL", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_USER_DEFINED"):
@@ -268,8 +269,8 @@ def test_tokenizer_names_still_importable_from_gguf():
 
 def test_tokenizer_module_knows_nothing_of_gguf():
     """The arrow points gguf -> tokenizer only: importing the tokenizer loads no GGUF code."""
-    probe = ("import sys, minikv.tokenizer; "
-             "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.', 'minikv.gguf'))))")
+    probe = ("import sys, minikv.weights.tokenizer; "
+             "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.', 'minikv.weights.gguf'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -18,7 +18,6 @@ from test_errata_interview import question as interview_question
 
 from minikv import online_softmax as osm
 from minikv.attention import causal_attention
-from minikv.block_allocator import BlockAllocator, num_blocks_for
 from minikv.costs import (
     decode_flops,
     expanded_kv_values_per_token,
@@ -30,9 +29,9 @@ from minikv.costs import (
     param_count,
     weights_bytes,
 )
-from minikv.model import random_model
-from minikv.paged import PagedKVCache
+from minikv.paged import BlockAllocator, PagedKVCache, num_blocks_for
 from minikv.scheduler import Request, Scheduler
+from minikv.weights.random_models import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEATSHEET = (ROOT / "docs" / "cheatsheet.md").read_text(encoding="utf-8")

@@ -6,7 +6,7 @@ import pytest
 from minikv.bench.equivalence import EXACT_RTOL, rel_err
 from minikv.errors import CacheFullError, ConfigError, DTypeError, InvalidInputError, ShapeError, UnknownSequenceError
 from minikv.kv_cache import ContiguousKVCache, NoCache
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 
 # (num_heads, num_kv_heads, head_dim, hidden, intermediate): MHA, GQA, MQA, odd sizes
 SHAPES = {

@@ -20,9 +20,8 @@ from minikv.mla import (
     latent_attention,
     reference_attention,
 )
-from minikv.model import random_model
-from minikv.random_models import default_mla, random_mla_model
 from minikv.scheduler import Request, Scheduler
+from minikv.weights.random_models import default_mla, random_mla_model, random_model
 
 YARN = YarnConfig(factor=4.0, original_max_position=16, mscale=1.0, mscale_all_dim=0.8)
 VARIANTS = {
@@ -235,7 +234,7 @@ def test_misuse_raises_typed_errors():
 
 def test_decode_never_decompresses_and_prefill_does(monkeypatch):
     """form="auto": a decode step is absorbed only (no per-head K/V is built); a prefill expands its own tokens."""
-    import minikv.mla as mla
+    import minikv.mla.latent as mla
 
     model = random_mla_model(dtype=np.float64, seed=6)
     cache = make_cache("paged", model, max_len=12, block_size=BS)
@@ -255,7 +254,7 @@ def test_costs_and_the_batching_budget_see_the_latent_not_per_head_kv():
     """The cost formulas and the benchmark's pool sizing read an MLA model's latent width."""
     from minikv.bench.workloads import Workload, batching_benchmark
     from minikv.costs import kv_bytes_per_token, shape_from_config
-    from minikv.random_models import default_mla, random_mla_model
+    from minikv.weights.random_models import default_mla, random_mla_model
 
     mla = default_mla()
     model = random_mla_model(mla=mla, vocab_size=64, max_position=512)

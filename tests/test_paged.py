@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from minikv.attention import causal_attention
 from minikv.bench.equivalence import EXACT_RTOL, rel_err
-from minikv.block_allocator import chain_hash
 from minikv.errors import (
     ConfigError,
     InvalidInputError,
@@ -16,8 +15,8 @@ from minikv.errors import (
     UnknownSequenceError,
 )
 from minikv.kv_cache import ContiguousKVCache
-from minikv.model import random_model
-from minikv.paged import PagedKVCache, paged_attention, slot_mapping
+from minikv.paged import PagedKVCache, chain_hash, paged_attention, slot_mapping
+from minikv.weights.random_models import random_model
 
 SHAPES = {
     "mha": dict(num_heads=4, num_kv_heads=4, head_dim=8, hidden_size=32, intermediate_size=64),

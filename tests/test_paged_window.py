@@ -11,14 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.bench.equivalence import assert_close
-from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
-from minikv.eviction import H2OPolicy, MaskedRecompute, SnapKVPolicy
 from minikv.paged import PagedKVCache, num_blocks_for
-from minikv.paged_window import PagedEvictingKVCache
-from minikv.random_models import random_model
+from minikv.paged.manager import HOLE
 from minikv.scheduler import Request, Scheduler
-from minikv.window import EvictingKVCache, WindowPolicy
+from minikv.weights.random_models import random_model
+from minikv.window import EvictingKVCache, H2OPolicy, MaskedRecompute, PagedEvictingKVCache, SnapKVPolicy, WindowPolicy
 
 MODEL = random_model(dtype=np.float64, seed=1)
 ROPE = (MODEL.cos, MODEL.sin, MODEL.config.rope_layout)

@@ -1,4 +1,4 @@
-"""Tensor and context parallelism (minikv.parallel, minikv.parallel_mla) against one process.
+"""Tensor and context parallelism (minikv.parallel, minikv.parallel.context) against one process.
 
 The MPI runs are few: one ``mpiexec -n 9`` runs every tiny case (each on the first tp x cp ranks),
 one runs SmolLM2 at tp = 2, 3, 9 (``model``), and short ones check faults and the CLI. Each runs

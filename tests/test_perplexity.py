@@ -7,8 +7,8 @@ import pytest
 
 from minikv.errors import InvalidInputError
 from minikv.generate import CACHE_KINDS, make_cache
-from minikv.model import random_model
 from minikv.perplexity import NextTokenNLL, log_softmax, perplexity
+from minikv.weights.random_models import random_model
 
 
 def uncached_nll(model, ids) -> float:

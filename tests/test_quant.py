@@ -6,10 +6,8 @@ import pytest
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 from minikv.errors import ConfigError, ShapeError
-from minikv.quant import kv_format
-from minikv.quant_codecs import (
-    CODECS,
-    codec,
+from minikv.quant import CODECS, codec, kv_format
+from minikv.quant.codecs import (
     decode_asym,
     decode_fp8,
     encode_asym,

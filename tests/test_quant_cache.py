@@ -10,10 +10,10 @@ from minikv.attention import causal_attention
 from minikv.bench.equivalence import KERNEL_RTOL, assert_close, rel_err
 from minikv.errors import ConfigError
 from minikv.generate import make_cache, paged_cache
-from minikv.model import random_model
 from minikv.paged import PagedKVCache
 from minikv.quant import KV_DTYPES, QuantizedPagedKVCache, dequantized_pools, kv_bytes_per_token
 from minikv.scheduler import Request, Scheduler
+from minikv.weights.random_models import random_model
 
 BS = 8
 GROUP = {"kivi2": 4, "kivi4": 4, "fp8": 16, "fp8_e5m2": 16}  # others: llama.cpp's 32 (casts: none)

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from minikv.bench.workloads import ReserveMaxLen, Workload, batching_benchmark, format_benchmark
 from minikv.errors import CacheFullError, ConfigError, InvalidInputError
 from minikv.kv_cache import ContiguousKVCache
-from minikv.model import random_model
 from minikv.paged import PagedKVCache
 from minikv.scheduler import Request, Scheduler
+from minikv.weights.random_models import random_model
 
 # float64: a different batch composition changes float32 rounding and could flip a near tie;
 # in float64 the greedy tokens must match exactly (DESIGN.md section 3)

@@ -23,8 +23,8 @@ from minikv.generate import GREEDY, SamplingParams, generate, make_cache
 from minikv.kv_cache import ContiguousKVCache
 from minikv.paged import PagedKVCache
 from minikv.quant import QuantizedPagedKVCache
-from minikv.random_models import random_mla_model, random_model
 from minikv.speculative import SpecStats, ngram_draft, verify
+from minikv.weights.random_models import random_mla_model, random_model
 
 PROMPT = [5, 7, 9, 11, 5, 7, 9, 11, 3, 4, 5, 7]  # repeats itself: the drafter finds matches at once
 MIXED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # on the GQA model every cache kind both accepts and rejects drafts
@@ -365,7 +365,7 @@ def test_generate_refuses_what_speculation_cannot_do(gqa):
 
 @pytest.fixture
 def checkpoint_dir(monkeypatch, tmp_path):
-    """A --model directory that loads as a tiny random model (``minikv.checkpoints``' loader replaced)."""
+    """A --model directory that loads as a tiny random model (``minikv.weights.checkpoints``' loader replaced)."""
     from minikv.cli import common
 
     monkeypatch.setattr(common, "_load_checkpoint", lambda path: random_model(dtype=np.float64, seed=1))

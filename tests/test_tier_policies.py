@@ -1,11 +1,11 @@
-"""The host tier's replacement policies on small fixed traces, computed by hand (minikv.tier_policies)."""
+"""The host tier's replacement policies on small fixed traces, computed by hand (minikv.tiers.policies)."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.errors import ConfigError
-from minikv.tier_policies import ARC, LRU, POLICIES, SeenTwice, make_policy
+from minikv.tiers import ARC, LRU, POLICIES, SeenTwice, make_policy
 
 
 def replay(policy, trace: str) -> tuple[str, list]:

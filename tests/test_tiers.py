@@ -12,9 +12,9 @@ from minikv.bench.offload import ChatTrace, run_trace
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
 from minikv.generate import paged_cache
 from minikv.paged import PagedKVCache
-from minikv.random_models import random_mla_model, random_model
 from minikv.scheduler import Scheduler
 from minikv.tiers import LINKS, Link, OffloadPolicy, OffloadTier
+from minikv.weights.random_models import random_mla_model, random_model
 
 BS = 8
 GROUP = {"kivi2": 4, "kivi4": 4, "fp8": 16, "fp8_e5m2": 16}  # as tests/test_quant_cache.py; others: 32

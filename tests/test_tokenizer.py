@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.errors import InvalidInputError, ModelFormatError, ShapeError
-from minikv.tokenizer import GPT2_SPLIT, Tokenizer
+from minikv.weights.tokenizer import GPT2_SPLIT, Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -238,7 +238,7 @@ def test_ids_match_transformers_without_digits(tok, hf_tok, text):
 
 @pytest.mark.reference
 def test_digits_documented_difference_from_transformers(tok, hf_tok):
-    """transformers skips the digit split (see minikv.tokenizer): whitespace runs before numbers differ."""
+    """transformers skips the digit split (see minikv.weights.tokenizer): whitespace runs before numbers differ."""
     assert tok.encode("  7") == [256, 39]
     assert hf_tok.encode("  7") == [216, 216, 39]
     assert tok.encode("x =  42") != hf_tok.encode("x =  42")

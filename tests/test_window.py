@@ -12,11 +12,18 @@ import pytest
 
 from minikv.bench.equivalence import assert_close, rel_err
 from minikv.errors import ConfigError, InvalidInputError, ShapeError
-from minikv.eviction import H2OPolicy, MaskedRecompute, SnapKVPolicy, make_policy
 from minikv.generate import generate, make_cache
-from minikv.model import random_model
-from minikv.random_models import random_mla_model
-from minikv.window import NEVER, EvictingKVCache, WindowPolicy, rank_positions
+from minikv.weights.random_models import random_mla_model, random_model
+from minikv.window import (
+    NEVER,
+    EvictingKVCache,
+    H2OPolicy,
+    MaskedRecompute,
+    SnapKVPolicy,
+    WindowPolicy,
+    make_policy,
+    rank_positions,
+)
 
 POLICIES = {
     "window": lambda: WindowPolicy(7),

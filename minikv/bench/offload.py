@@ -30,9 +30,10 @@ import numpy as np
 from minikv.costs import get_preset, kv_bytes_per_token, param_count, weights_bytes
 from minikv.errors import check_choice, check_int
 from minikv.generate import paged_cache
-from minikv.random_models import random_model
 from minikv.scheduler import Request, Scheduler
-from minikv.tiers import LINKS, OffloadPolicy, OffloadTier
+from minikv.tiers.scheduling import OffloadPolicy
+from minikv.tiers.tier import LINKS, OffloadTier
+from minikv.weights.random_models import random_model
 
 PRICED_AS = ("llama3-8b", "fp16")
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 (NVIDIA H100 Tensor Core GPU datasheet)

@@ -25,11 +25,11 @@ from typing import Callable
 
 import numpy as np
 
-from minikv.block_allocator import num_blocks_for
 from minikv.errors import CacheFullError, ConfigError, check_int
 from minikv.generate import bytes_per_token, paged_cache
 from minikv.model import Model
-from minikv.paged import PagedKVCache
+from minikv.paged.allocator import num_blocks_for
+from minikv.paged.cache import PagedKVCache
 from minikv.scheduler import PagedPolicy, Request, Scheduler
 
 
@@ -112,7 +112,7 @@ class Workload:
 
 def bench_model(workload: Workload) -> Model:
     """The tiny random model the batching benchmark runs by default (2 layers: seconds, not minutes)."""
-    from minikv.model import random_model
+    from minikv.weights.random_models import random_model
 
     return random_model(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=96, vocab_size=workload.vocab_size, max_position=2048, seed=workload.seed)

@@ -9,7 +9,7 @@ from minikv.errors import CacheFullError, InvalidInputError
 def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None:
     """Refuse (naming the flags) a budget too small for one longest request, or larger than the machine has."""
     from minikv.generate import available_memory_bytes
-    from minikv.paged import num_blocks_for
+    from minikv.paged.allocator import num_blocks_for
 
     block = bytes_per_token * args.block_size
     need = num_blocks_for(max_len, args.block_size)  # what the contiguous side reserves per sequence
@@ -55,7 +55,7 @@ def _bench_offload(args) -> int:
     from minikv.bench.machine import describe, machine_info
     from minikv.bench.offload import ChatTrace, format_offload, offload_benchmark
     from minikv.errors import check_int
-    from minikv.paged import num_blocks_for
+    from minikv.paged.allocator import num_blocks_for
 
     trace = ChatTrace(conversations=check_int("--conversations", args.conversations, error=InvalidInputError),
                       seed=args.seed)
@@ -78,7 +78,7 @@ BENCHES = {"batching": _bench_batching, "offload": _bench_offload}
 
 def add_bench(sub) -> None:
     from minikv.scheduler import PREEMPTION_MODES
-    from minikv.tiers import LINKS
+    from minikv.tiers.tier import LINKS
 
     p = sub.add_parser("bench", help="synthetic benchmarks (batching: paged vs contiguous KV memory; "
                                      "offload: a host tier for paged blocks)",

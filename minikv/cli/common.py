@@ -202,19 +202,19 @@ def add_prompt_flags(p: argparse.ArgumentParser, default: str | None = None) -> 
 
 
 def _load_checkpoint(path: str):
-    """A checkpoint directory's model, through ``minikv.checkpoints`` (imported here: it may be absent)."""
+    """A checkpoint directory's model, through ``minikv.weights.checkpoints`` (imported here: it may be absent)."""
     try:
-        from minikv.checkpoints import load_checkpoint
+        from minikv.weights.checkpoints import load_checkpoint
     except ImportError as e:
-        raise ModelFormatError(f"{path!r} is a directory: checkpoint directories need minikv.checkpoints, "
+        raise ModelFormatError(f"{path!r} is a directory: checkpoint directories need minikv.weights.checkpoints, "
                                f"which this install lacks ({e}); pass a .gguf file") from e
     return load_checkpoint(path)
 
 
 def load_model_arg(path: str | None):
-    """``(model, tokenizer)`` from ``--model``: a GGUF file (``minikv.gguf.load_model``), or a checkpoint
-    directory (``minikv.checkpoints.load_checkpoint``; its tokenizer is None). Refusals name ``--model``."""
-    from minikv.gguf import load_model
+    """``(model, tokenizer)`` from ``--model``: a GGUF file (``minikv.weights.gguf.load_model``), or a checkpoint
+    directory (``minikv.weights.checkpoints.load_checkpoint``; its tokenizer is None). Refusals name ``--model``."""
+    from minikv.weights.gguf import load_model
 
     where = "--model" if path is not None else "the default model (--model not given)"
     kind = "checkpoint directory" if path is not None and os.path.isdir(path) else "GGUF file"
@@ -240,11 +240,11 @@ def require_tokenizer(tok, what: str, instead: str) -> None:
 
 def add_kv_dtype_flags(p: argparse.ArgumentParser) -> None:
     """``--kv-dtype``, ``--group``, ``--residual``: the quantized KV formats of ``minikv.quant``."""
-    from minikv.quant import KV_DTYPES
+    from minikv.quant.formats import KV_DTYPES
 
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default=None,
-                   help="store K/V in this format (minikv.quant.KV_DTYPES; paged cache only, the default --cache "
-                        "then; fp32 = the plain cache)")
+                   help="store K/V in this format (minikv.quant.formats.KV_DTYPES; paged cache only, the default "
+                        "--cache then; fp32 = the plain cache)")
     p.add_argument("--group", type=int, default=32, help="values per scale for kivi*/fp8* (default 32)")
     p.add_argument("--residual", type=int, default=128,
                    help="KIVI's residual R for kivi*: the tokens kept in full precision, the block size (default 128)")
@@ -254,8 +254,8 @@ EVICTION_FLAGS = ("window", "sinks", "positions", "budget", "recent", "h2o_score
 
 
 def add_eviction_flags(p: argparse.ArgumentParser) -> None:
-    """The options of the step-6 caches (``--cache window|h2o|snapkv``; ``minikv.eviction``)."""
-    from minikv.window import POSITIONS
+    """The options of the step-6 caches (``--cache window|h2o|snapkv``; ``minikv.window.scores``)."""
+    from minikv.window.ring import POSITIONS
 
     g = p.add_argument_group("window and eviction (--cache window, h2o, snapkv)")
     g.add_argument("--window", type=int, default=None, help="--cache window: tokens kept, sinks included")
@@ -285,7 +285,7 @@ def eviction_options(args) -> dict | None:
             flag = "--" + sorted(given)[0].replace("_", "-")
             raise InvalidInputError(f"{flag} applies to --cache window, h2o or snapkv, not --cache {args.cache}")
         return None
-    from minikv.eviction import POLICY_OPTIONS, REQUIRED
+    from minikv.window.scores import POLICY_OPTIONS, REQUIRED
 
     if "h2o_score" in given:
         given["score"] = given.pop("h2o_score")

@@ -3,7 +3,7 @@
     mpiexec -n 3 minikv generate --tp 3 --prompt "..." --json
     mpiexec -n 2 minikv perplexity --cp 2 --model DEEPSEEK_DIR --ids-file ids.txt
 
-Every rank runs the command; rank 0 prints (``minikv.parallel.from_flags`` silences the others
+Every rank runs the command; rank 0 prints (``minikv.parallel.tensor.from_flags`` silences the others
 but for their errors). The library side is ``minikv.parallel``.
 """
 
@@ -33,13 +33,13 @@ def launched_ranks() -> int:
 
 
 def runner_of(args, model):
-    """``model`` itself without --tp/--cp, else this rank's ``minikv.parallel.ParallelModel``."""
+    """``model`` itself without --tp/--cp, else this rank's ``minikv.parallel.tensor.ParallelModel``."""
     if args.tp is None and args.cp is None:
         if launched_ranks() > 1:  # P copies of one run would each print, and compute everything P times
             raise ParallelError(f"this command runs on {launched_ranks()} MPI ranks but has no --tp or --cp; pass "
                                 f"--tp {launched_ranks()} (or --tp T --cp C with T x C = {launched_ranks()})")
         return model
-    from minikv.parallel import from_flags
+    from minikv.parallel.tensor import from_flags
 
     return from_flags(model, args.tp, args.cp)
 
@@ -52,7 +52,7 @@ def guard(runner):
     """The backstop around a parallel run (an error on some ranks only aborts them all); else nothing."""
     if not is_parallel(runner):
         return nullcontext()
-    from minikv.collectives import abort_on_error
+    from minikv.parallel.collectives import abort_on_error
 
     return abort_on_error(runner.world)
 

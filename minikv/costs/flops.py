@@ -19,7 +19,7 @@ newest token runs. ``generation_flops`` and ``cache_speedup`` turn that into the
 predicted speed-up that the step-2 notebook compares with a measured one.
 
 MLA (step 4) has two ways to attend, and the count follows the one that runs
-(``mla_form``, the rule of ``minikv.mla.latent_attention(form="auto")`` and of
+(``mla_form``, the rule of ``minikv.mla.latent.latent_attention(form="auto")`` and of
 serving engines): a decode step (one new token) is *absorbed*, every query head
 scoring the cached r + dr wide latent rows; a prefill (more than one new token)
 and every pass without a cache is *expanded*, building each head's K and V from
@@ -100,7 +100,7 @@ def _combine(rates: dict, tokens: int, past: int, dense_mask: bool, mla_form: st
     key as a latent row; "expanded" builds per-head K and V for all past + tokens rows;
     "auto" is absorbed for one new token (a decode step) and otherwise expanded over the
     pass's own tokens and absorbed over the ``past`` cached before it, the rule of
-    ``minikv.mla.latent_attention(form="auto")``.
+    ``minikv.mla.latent.latent_attention(form="auto")``.
     """
     keys = _attended_keys(tokens, past, dense_mask)
     if not rates["latent_up"]:  # no latent: every key is a per-head K/V key
@@ -151,10 +151,10 @@ def layer_flops(shape: ModelShape, layer: int = 0, num_tokens: int = 1, past: in
         weighted V 2 Hq Dv per key, 3.4x fewer attention FLOPs per key than
         absorbed for DeepSeek-V3 (1,088 against 320 multiply-adds per head).
         History cached before a prefill chunk is read absorbed, as
-        ``minikv.mla.latent_attention`` does. A pass without a cache
+        ``minikv.mla.latent.latent_attention`` does. A pass without a cache
         (``recompute_flops``, ``generation_flops(cache=False)``) is a prefill
         each time and is counted expanded throughout, even for one token, as
-        ``minikv.mla.LatentNoCache`` runs it.
+        ``minikv.mla.caches.LatentNoCache`` runs it.
 
     Both add the query path, the down-projection 2 H (r + dr) and the output
     projection 2 Hq Dv H per token. ``mla_form="absorbed"`` or ``"expanded"``

@@ -1,4 +1,4 @@
-// mla.cu: step 4, multi-head latent attention (minikv/mla.py) on the GPU: the latent write and the
+// mla.cu: step 4, multi-head latent attention (minikv/mla/) on the GPU: the latent write and the
 // absorbed decode attention, over either latent cache.
 //
 // Storage: one latent row [c_kv ; k_pe] of W = MLA_R + MLA_P elements per token and layer, of
@@ -10,7 +10,7 @@
 // a contiguous cache is the paged case with one "block" of max_len rows per sequence (tables[b] =
 // [slot], block_size = max_len), so one attention kernel serves both layouts.
 //
-// Absorbed decode (see minikv/mla.py): every query head h scores the same W-wide latent row,
+// Absorbed decode (see minikv/mla/): every query head h scores the same W-wide latent row,
 //     s_h(j) = q_abs[h] . latent[j],   q_abs[h] = [q_nope[h] W_UK[h]^T ; q_pe[h]]   (W numbers)
 // and its value is the row's first R entries; out[h] = softmax(s_h) @ latent[:, :R] is [R] per
 // head (the host applies W_UV after). MQA with one key head of width W and Hq query heads.

@@ -1,4 +1,4 @@
-// paged.cu: step 3, the paged KV cache (minikv/paged.py) on the GPU.
+// paged.cu: step 3, the paged KV cache (minikv/paged/) on the GPU.
 //
 // Storage: one pool for K and one for V per layer, cut into fixed-size blocks of token slots:
 //     k_pool[block, offset, kv_head, dim]   shape [num_blocks, block_size, Hkv, D]

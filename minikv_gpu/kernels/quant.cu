@@ -1,4 +1,4 @@
-// quant.cu: step 5, the quantized paged KV cache (minikv/quant.py) on the GPU.
+// quant.cu: step 5, the quantized paged KV cache (minikv/quant/) on the GPU.
 //
 // Storage (one layer; the cache keeps [L, ...] and passes a layer's contiguous view):
 //   k_pool, v_pool    [num_blocks, block_size, Hkv, D] CACHE_T   the residual: open blocks in full precision

@@ -1,4 +1,4 @@
-// window.cu: step 6, decode attention over an evicting cache's slots (minikv/window.py) on the GPU.
+// window.cu: step 6, decode attention over an evicting cache's slots (minikv/window/) on the GPU.
 //
 // Storage (one layer of minikv.window.EvictingKVCache, batched over sequences):
 //     k, v   [B, Hkv, C, D] CACHE_T   slots in storage order (a wrapped ring is not time order)

@@ -12,10 +12,10 @@ import pytest
 
 from minikv.bench.offload import ChatTrace, run_trace
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
-from minikv.model import random_model
 from minikv.paged import PagedKVCache as NumpyPagedKVCache
 from minikv.scheduler import Scheduler
 from minikv.tiers import CacheStorage, OffloadPolicy, OffloadTier
+from minikv.weights.random_models import random_model
 from minikv_gpu import model as gpu_model
 from minikv_gpu import paged as gpu
 from minikv_gpu import quant as gpu_quant

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minikv import cli
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 from minikv_gpu import compare as cmp
 
 

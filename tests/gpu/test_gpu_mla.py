@@ -1,4 +1,4 @@
-"""Step 4 on the GPU (minikv_gpu/mla.py, kernels/mla.cu) against the NumPy reference (minikv/mla.py).
+"""Step 4 on the GPU (minikv_gpu/mla.py, kernels/mla.cu) against the NumPy reference (minikv/mla/).
 
 * ``latent_write_v1``: bit-exact against the NumPy caches' stored latents, contiguous and paged,
   float32 and float16 (rounded the same way), into NaN-poisoned storage: every row not written stays NaN.
@@ -27,7 +27,7 @@ from test_gpu_kv_cache import fp16_bound
 from minikv import mla as ref
 from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError
-from minikv.random_models import default_mla, random_mla_model
+from minikv.weights.random_models import default_mla, random_mla_model
 from minikv_gpu import mla as gpu
 from minikv_gpu.model import from_cpu
 

@@ -14,6 +14,7 @@ from minikv import kv_cache as ref_cache
 from minikv import model as ref
 from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.weights.random_models import random_model
 from minikv_gpu import kv_cache as gpu_cache
 from minikv_gpu import model as gpu
 
@@ -77,7 +78,7 @@ TINY = {
 
 def run_pair(rt, shape, layout, cache_dtype=np.float32, fused=False, prompt_lens=(5, 1), decode=3, seed=0):
     """Prefill + decode the same token streams through the NumPy and the GPU model; return both logits."""
-    cpu = ref.random_model(rope_layout=layout, seed=seed, **TINY[shape])
+    cpu = random_model(rope_layout=layout, seed=seed, **TINY[shape])
     dev = gpu.from_cpu(cpu, runtime=rt, cache_dtype=cache_dtype, fused=fused)
     rng = np.random.default_rng(seed)
     lens = list(prompt_lens)
@@ -131,7 +132,7 @@ def test_fp16_cache_model_equals_numpy_fp16_cache(rt):
 
 
 def test_uncached_logits_equal_numpy(rt):
-    cpu = ref.random_model(rope_layout="half", seed=4, **TINY["gqa3"])
+    cpu = random_model(rope_layout="half", seed=4, **TINY["gqa3"])
     dev = gpu.from_cpu(cpu, runtime=rt)
     ids = np.random.default_rng(4).integers(0, cpu.config.vocab_size, 11)
     got = rt.asnumpy(dev.logits(ids))
@@ -139,7 +140,7 @@ def test_uncached_logits_equal_numpy(rt):
 
 
 def test_model_errors(rt):
-    cpu = ref.random_model(**TINY["mha"])
+    cpu = random_model(**TINY["mha"])
     dev = gpu.from_cpu(cpu, runtime=rt)
     cache = dev.new_cache(1, 8)
     cache.add_sequence(0)
@@ -149,7 +150,7 @@ def test_model_errors(rt):
         dev.forward([[1, 10_000]], cache)
     assert cache.length(0) == 0  # the failed step changed nothing
     with pytest.raises(ConfigError, match="head_dim=6"):
-        gpu.from_cpu(ref.random_model(head_dim=6, num_heads=2, num_kv_heads=1), runtime=rt)
+        gpu.from_cpu(random_model(head_dim=6, num_heads=2, num_kv_heads=1), runtime=rt)
     with pytest.raises(DTypeError, match="float64"):
         gpu.Model(cpu.config, cpu.weights, dtype=np.float64, runtime=rt)
     with pytest.raises(DTypeError, match="cache_dtype"):

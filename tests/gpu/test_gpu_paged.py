@@ -22,7 +22,7 @@ from minikv import paged as ref
 from minikv.attention import causal_attention
 from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, OutOfBlocksError, ShapeError
-from minikv.model import random_model
+from minikv.weights.random_models import random_model
 from minikv_gpu import compare as cmp
 from minikv_gpu import model as gpu_model
 from minikv_gpu import paged as gpu

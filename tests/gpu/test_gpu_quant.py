@@ -6,7 +6,7 @@ for fp32 and fp16 residual pools, on values spanning 2^-20 .. 2^20 (fp16 and kiv
 ties of the rounding, zero and constant groups, fp8 saturation and subnormals; blocks not listed
 (NaN-poisoned) are neither read nor written.
 
-Attention: the GPU quantized cache equals ``minikv.quant.quantized_paged_attention`` (the NumPy
+Attention: the GPU quantized cache equals ``minikv.quant.cache.quantized_paged_attention`` (the NumPy
 cache's ``attend``) within ``KERNEL_RTOL``, over prefill + decode steps, split and unsplit, with
 its codes bit-exact against the NumPy cache's after every step; a tiny model on it gives the
 NumPy quantized cache's logits within the GPU model tolerance (``EXACT_RTOL[float32]``).
@@ -18,8 +18,8 @@ import pytest
 from minikv import quant as ref
 from minikv.bench.equivalence import EXACT_RTOL, KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError
-from minikv.model import random_model
-from minikv.quant_codecs import codec
+from minikv.quant import codec
+from minikv.weights.random_models import random_model
 from minikv_gpu import model as gpu_model
 from minikv_gpu import quant as gq
 

@@ -8,8 +8,8 @@ Runs on the simulator everywhere and on CuPy where a GPU is present (``rt``).
 import numpy as np
 
 from minikv.bench.equivalence import KERNEL_RTOL, rel_err
-from minikv.model import random_model
 from minikv.tiers import OffloadTier
+from minikv.weights.random_models import random_model
 from minikv_gpu import model as gpu_model
 from minikv_gpu import paged as gpu
 

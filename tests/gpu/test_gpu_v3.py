@@ -1,7 +1,7 @@
 """v3, the register-resident decode kernels (kernels/decode_v3.cuh): ``paged_decode_attention_v3`` and
 ``decode_attention_v3`` against NumPy, on every backend.
 
-Paged: ``minikv.paged.paged_attention`` over NaN-poisoned pools (every slot that holds no token of a
+Paged: ``minikv.paged.attention.paged_attention`` over NaN-poisoned pools (every slot that holds no token of a
 context is NaN), GQA groups 1, 3, 4, 8, head_dim 64 and 128 (and 16, the tiny model's), float32
 and float16 pools, block sizes 1, 5, 16, contexts 1 .. a few hundred including block_size +- 1,
 split (partitions of 32 keys) and unsplit. Contiguous: the NumPy ``ContiguousKVCache`` with

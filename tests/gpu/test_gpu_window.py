@@ -1,8 +1,8 @@
 """Step 6 kernels (kernels/window.cu) and ``minikv_gpu.window`` against ``minikv.window``, on every backend.
 
-``window_decode`` (one decode query per sequence over its slots) equals ``minikv.window.attend_slots``
+``window_decode`` (one decode query per sequence over its slots) equals ``minikv.window.ring.attend_slots``
 with ``WindowPolicy``'s visibility (or the plain causal one, window=0) and, with in-cache positions,
-``minikv.window.attend_in_cache`` (both rope layouts), within 1e-4 relative in float32. The rings are
+``minikv.window.ring.attend_in_cache`` (both rope layouts), within 1e-4 relative in float32. The rings are
 built as the cache leaves them at a decode step: positions 0 .. q-1 written to their ring slots (so
 a wrapped ring is not time order and the slot of q holds the key that has just left the window),
 the query's own key in one more slot, empty slots (-1) holding NaN, and invisible slots NaN too in
@@ -18,8 +18,8 @@ import pytest
 from minikv import window as ref
 from minikv.bench.equivalence import assert_close, rel_err
 from minikv.errors import ConfigError, DTypeError, ShapeError
-from minikv.eviction import H2OPolicy
 from minikv.layers import apply_rope, rope_tables
+from minikv.window import H2OPolicy
 from minikv_gpu import window as gw
 
 RTOL = 1e-4

@@ -1,6 +1,6 @@
 """Step 6, paged: window and eviction policies over a paged KV cache (``PagedEvictingKVCache``).
 
-The contiguous form (``minikv.window.EvictingKVCache``) moves survivors into a ring of W slots.
+The contiguous form (``minikv.window.ring.EvictingKVCache``) moves survivors into a ring of W slots.
 A paged cache does not move anything: storage stays **append-only**, position p lives in slot
 ``table[p // bs] * bs + p % bs`` as in ``minikv.paged``, and ``write`` is inherited. What eviction
 changes is bookkeeping, kept per sequence and indexed by *position*:
@@ -43,10 +43,20 @@ import copy
 
 import numpy as np
 
-from minikv.block_manager import HOLE
 from minikv.errors import ConfigError, InvalidInputError
-from minikv.paged import PagedKVCache, default_blocks_per_tile, num_blocks_for
-from minikv.window import NEVER, Policy, WindowPolicy, attend_in_cache, attend_slots, check_rope_table, truncate_refusal
+from minikv.paged.allocator import num_blocks_for
+from minikv.paged.attention import default_blocks_per_tile
+from minikv.paged.cache import PagedKVCache
+from minikv.paged.manager import HOLE
+from minikv.window.ring import (
+    NEVER,
+    Policy,
+    WindowPolicy,
+    attend_in_cache,
+    attend_slots,
+    check_rope_table,
+    truncate_refusal,
+)
 
 
 def reads_scores(policy: Policy) -> bool:

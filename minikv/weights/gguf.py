@@ -46,7 +46,7 @@ Tokenizer
 ---------
 ``tokenizer_from_reader`` reads the vocabulary (``tokenizer.ggml.tokens``), token
 types, merges, BOS/EOS ids, pre-tokenizer name and chat template out of the
-file's metadata and hands them, as plain lists, to ``minikv.tokenizer.Tokenizer``
+file's metadata and hands them, as plain lists, to ``minikv.weights.tokenizer.Tokenizer``
 (whose docstring explains llama.cpp's ``smollm`` pre-tokenizer and how
 transformers' GGUF tokenizer differs). ``Tokenizer``, ``StreamDecoder`` and
 ``bytes_to_unicode`` are re-exported here for older imports.
@@ -64,7 +64,7 @@ import numpy as np
 
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError, check_choice, check_int
 from minikv.model import ROPE_LAYOUTS, LayerWeights, Model, ModelConfig, ModelWeights, check_weights
-from minikv.tokenizer import (
+from minikv.weights.tokenizer import (
     GPT2_SPLIT,
     SUPPORTED_PRE_TOKENIZERS,
     TOKEN_TYPE_CONTROL,

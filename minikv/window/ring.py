@@ -5,7 +5,7 @@ A cache that keeps at most W keys per (layer, KV head) forgets the rest. What it
 
 * ``WindowPolicy`` (here): a sliding window of the W - S most recent tokens, plus the first S
   tokens for good (StreamingLLM's *attention sinks*; S = 0 is a plain window);
-* ``H2OPolicy`` and ``SnapKVPolicy`` (``minikv.eviction``): keep the keys that attention used.
+* ``H2OPolicy`` and ``SnapKVPolicy`` (``minikv.window.scores``): keep the keys that attention used.
 
 The ring buffer
 ---------------
@@ -38,7 +38,7 @@ were in the cache at step t. Each cache logs, per (layer, KV head, key position)
 position that no longer saw the key (``evicted_at``); ``MaskedRecompute`` runs that mask over the
 whole text in one pass. With ``in-cache`` positions the reference also rotates by rank.
 
-Storage (``EvictingKVCache``, contiguous; ``minikv.paged_window`` holds the paged form)
+Storage (``EvictingKVCache``, contiguous; ``minikv.window.paged`` holds the paged form)
 --------------------------------------------------------------------------------------
 Per sequence: ``k, v: [L, Hkv, C, D]``, ``pos: [L, Hkv, C]`` (-1 = empty) and the policy's
 ``score, seen: [L, Hkv, C]``. ``write`` only stashes the step's new K/V; ``attend`` reads the
@@ -253,7 +253,7 @@ class _Seq:
 class EvictingKVCache(KVCacheBase):
     """A cache that keeps what ``policy`` keeps, in slots per sequence (see the module docstring).
 
-    policy:  a ``Policy`` (``WindowPolicy``, ``minikv.eviction.H2OPolicy``, ``SnapKVPolicy``)
+    policy:  a ``Policy`` (``WindowPolicy``, ``minikv.window.scores.H2OPolicy``, ``SnapKVPolicy``)
     rope:    (cos, sin, layout) of the model, needed by ``in-cache`` positions only: the model then
              hands over pre-RoPE q and k (``rotates_in_cache``) and this cache rotates by rank
     log:     keep ``evicted_at`` (what ``MaskedRecompute`` needs; one int64 per token, layer and head, so

@@ -35,7 +35,7 @@ How the heads split (``head_plan``)
 
 MLA (DeepSeek-V2/V3) has one latent "head": head sharding splits the query heads (and W_UK,
 W_UV, Wo with them), but every rank computes and caches the whole latent. Context parallelism
-(``cp``, ``minikv.parallel_mla``) cuts that duplicate by striping tokens over cp ranks instead.
+(``cp``, ``minikv.parallel.context``) cuts that duplicate by striping tokens over cp ranks instead.
 A world of tp x cp ranks: rank = cp_rank * tp + tp_rank.
 
 Faults: every forward starts with an Allreduce of an error flag (``agree``): a rank whose input,
@@ -56,18 +56,11 @@ from typing import Sequence
 
 import numpy as np
 
-from minikv.collectives import Collectives, agree, mpi_world
 from minikv.errors import ConfigError, MinikvError, ParallelError, ShapeError, check_int
 from minikv.layers import rms_norm
-from minikv.model import (
-    LayerWeights,
-    MLALayerWeights,
-    Model,
-    ModelWeights,
-    attention_block,
-    mla_attention_block,
-    mlp_block,
-)
+from minikv.mla.block import MLALayerWeights, mla_attention_block
+from minikv.model import LayerWeights, Model, ModelWeights, attention_block, mlp_block
+from minikv.parallel.collectives import Collectives, agree, mpi_world
 
 # --- the plan: who holds which heads, columns and vocabulary rows ---------------------------------
 
@@ -269,7 +262,7 @@ class ParallelModel:
     def make_cache(self, kind: str, max_len: int, max_seqs: int = 1, block_size: int = 16, **options):
         """This rank's cache of ``kind``: ``minikv.generate.make_cache`` for its heads (``options``: kv_dtype,
         group, residual, eviction); with cp > 1 a latent cache of its 1/cp of the tokens
-        (``minikv.parallel_mla.StripedLatentCache``). Every rank must call it: a cache refused on one
+        (``minikv.parallel.context.StripedLatentCache``). Every rank must call it: a cache refused on one
         rank is refused on all (``agree``). ``minikv.generate.make_cache`` hands a ParallelModel here."""
         cache, err = None, None
         try:
@@ -290,7 +283,7 @@ class ParallelModel:
                               f"tp <= {self.config.num_kv_heads} or cache window/contiguous/paged")
         if self.cp == 1:
             return make_cache(kind, self.local, max_len, max_seqs, block_size, **options)
-        from minikv.parallel_mla import striped_cache
+        from minikv.parallel.context import striped_cache
 
         return striped_cache(kind, self.local, self.cp_group, max_len, max_seqs, block_size, **options)
 

@@ -8,9 +8,9 @@ What moves, and when
 --------------------
 * **Demote** (device -> host). Only a block that no sequence holds can leave the device: a
   full, registered block whose last holder freed it (the allocator's cached-free list, see
-  ``minikv.block_allocator``). When an allocation evicts such a block, the allocator's
+  ``minikv.paged.allocator``). When an allocation evicts such a block, the allocator's
   ``on_evict`` hook hands it here *before* anything overwrites it; the policy decides whether to
-  store it (``minikv.tier_policies``) and which host block to give up for it. A block held by a
+  store it (``minikv.tiers.policies``) and which host block to give up for it. A block held by a
   running sequence (ref count >= 1: shared prefixes, forks, copy-on-write) is never a candidate;
   a sequence that stops running gives its blocks up by being preempted or finishing.
 * **Promote** (host -> device). The host tier is keyed by the block's chain hash, so the prefix
@@ -55,14 +55,13 @@ subclass (``AsyncCacheStorage``). The bookkeeping here stays as it is.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Sequence
 
-from minikv.block_allocator import Block
 from minikv.errors import ConfigError, InvalidInputError, check_choice, check_int
-from minikv.paged import PagedKVCache
-from minikv.scheduler import PagedPolicy
-from minikv.tier_policies import LRU, POLICIES, SeenTwice, make_policy
+from minikv.paged.allocator import Block
+from minikv.paged.cache import PagedKVCache
+from minikv.tiers.policies import LRU, POLICIES, SeenTwice, make_policy
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,7 @@ class OffloadTier:
     """A host tier over ``cache``'s host pool (see the module docstring).
 
     cache:           a fresh ``PagedKVCache`` (or subclass) with prefix caching and ``num_host_blocks`` > 0
-    policy:          a name of ``minikv.tier_policies.POLICIES`` or a policy object
+    policy:          a name of ``minikv.tiers.policies.POLICIES`` or a policy object
     capacity:        host blocks the tier may hold (default ``num_host_blocks``; the rest stays for swapping)
     link:            a key of ``LINKS`` or a ``Link``
     bytes_per_block: what one block costs on the link (default: the cache's device bytes per block)
@@ -169,7 +168,7 @@ class OffloadTier:
             raise ConfigError(f"policy={policy!r}: pass a name of {POLICIES} or a policy of capacity {self.capacity}")
         self.link = LINKS[check_choice("link", link, tuple(LINKS))] if isinstance(link, str) else link
         if not isinstance(self.link, Link):
-            raise ConfigError(f"link={link!r}: pass one of {tuple(LINKS)} or a minikv.tiers.Link")
+            raise ConfigError(f"link={link!r}: pass one of {tuple(LINKS)} or a minikv.tiers.tier.Link")
         self.bytes_per_block = check_int("bytes_per_block", bytes_per_block if bytes_per_block is not None
                                          else cache.bytes_allocated() // cache.num_blocks)
         self.cache, self.policy = cache, policy
@@ -350,51 +349,4 @@ class OffloadTier:
         assert self.host_allocator.num_used == len(ids) + len(swapped), "a host block is lost"
 
 
-@dataclass
-class OffloadPolicy(PagedPolicy):
-    """The scheduler's policy with a tier: after every step, prefetch for the next requests and price the step.
-
-    compute_s(tokens, kv_tokens) -> seconds: the compute time of a step that ran ``tokens`` tokens
-    over ``kv_tokens`` stored K/V tokens (the bench derives it from a model's bytes, FLOPs and a
-    GPU's peaks); None: 0 (nothing is hidden). lookahead: waiting requests whose host blocks are
-    prefetched; prefetch=False turns prefetching off. ``tier=None`` only prices the steps (a
-    device-only baseline); ``compute_total_s`` sums the steps' compute times either way.
-    """
-
-    tier: OffloadTier | None
-    compute_s: Callable[[int, int], float] | None = None
-    lookahead: int = 4
-    prefetch: bool = True
-    compute_total_s: float = 0.0
-    _computed: dict = field(default_factory=dict)  # request id -> tokens computed at the last look
-
-    def bind(self, cache: PagedKVCache) -> None:
-        if self.tier is not None and cache is not self.tier.cache:
-            raise ConfigError("OffloadPolicy's tier belongs to another cache; build the tier on the scheduler's")
-        check_int("lookahead", self.lookahead, minimum=0)
-
-    def admit(self, sched, seq, free: int) -> tuple[int, int] | None:
-        got = super().admit(sched, seq, free)
-        if got is not None:
-            self._computed[seq.request.id] = got[0]  # cached tokens cost no compute
-        return got
-
-    def account(self, sched) -> None:
-        super().account(sched)
-        cache, tokens = sched.cache, 0
-        for s in sched.running:
-            tokens += s.num_computed - self._computed.get(s.request.id, 0)
-            self._computed[s.request.id] = s.num_computed
-        kv = sum(cache.length(s.request.id) for s in sched.running)
-        seconds = 0.0 if self.compute_s is None else float(self.compute_s(tokens, kv))
-        self.compute_total_s += seconds
-        if self.tier is None:
-            return
-        if self.prefetch and self.lookahead:
-            # leave one free block per running sequence for its next token
-            room = cache.num_free_blocks - len(sched.running) - sched.watermark_blocks
-            self.tier.prefetch([s.tokens for s in sched.waiting[:self.lookahead]], max(room, 0))
-        self.tier.end_step(seconds)
-
-
-__all__ = ["CacheStorage", "HostEntry", "LINKS", "Link", "OffloadPolicy", "OffloadTier", "TierStats"]
+__all__ = ["CacheStorage", "HostEntry", "LINKS", "Link", "OffloadTier", "TierStats"]

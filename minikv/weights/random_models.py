@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minikv.mla import MLAConfig
-from minikv.model import LayerWeights, MLALayerWeights, Model, ModelConfig, ModelWeights
+from minikv.mla.block import MLALayerWeights
+from minikv.mla.latent import MLAConfig
+from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
 
 
 class _Draw:

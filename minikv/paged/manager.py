@@ -3,9 +3,9 @@
 It answers the scheduler's questions (can this request be admitted? how many
 blocks would this step take?) and keeps every sequence's **block table**: entry
 j is the physical block holding positions ``j*bs .. j*bs + bs - 1``. Like the
-allocator below it (``minikv.block_allocator``), it never touches K/V numbers:
+allocator below it (``minikv.paged.allocator``), it never touches K/V numbers:
 whenever blocks must be copied it *returns a copy plan*, and the cache that owns
-the pools (``minikv.paged.PagedKVCache``) carries it out.
+the pools (``minikv.paged.cache.PagedKVCache``) carries it out.
 
 * ``add_sequence(seq_id, prompt_ids)`` walks the prefix cache: leading full
   blocks already cached are shared (ref count + 1), and the caller runs the model
@@ -24,7 +24,7 @@ the pools (``minikv.paged.PagedKVCache``) carries it out.
   when no other sequence reads it; a *shared* partly kept last block is copied right away
   (copy-on-write at truncate time), so a block in the prefix cache is never written again.
 * ``release_block(seq_id, j)`` gives back a full block none of whose tokens the
-  sequence still reads (an evicting cache, ``minikv.paged_window``); entry j
+  sequence still reads (an evicting cache, ``minikv.window.paged``); entry j
   becomes a ``HOLE``. Holes keep every other entry at its index (position p stays
   in entry p // bs); fork, free, swap and the prefix cache all skip them.
 
@@ -40,9 +40,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from minikv.block_allocator import BlockAllocator, HashFn, num_blocks_for
 from minikv.errors import InvalidInputError, OutOfBlocksError, check_int
 from minikv.kv_cache import Step, lookup_sequence
+from minikv.paged.allocator import BlockAllocator, HashFn, num_blocks_for
 
 HOLE = -1  # a block-table entry whose block went back to the pool: the sequence reads none of its tokens
 
@@ -107,7 +107,7 @@ class BlockManager:
                                if self.num_host_blocks else None)
         self.seqs: dict = {}
         self._pending: list | None = None  # reservations of the open step, None when no step is open
-        self.tier = None  # a host offload tier (minikv.tiers.OffloadTier) extends prefix hits from the host
+        self.tier = None  # a host offload tier (minikv.tiers.tier.OffloadTier) extends prefix hits from the host
         # counters for benchmarks and tests
         self.cow_copies = 0
         self.prefix_query_tokens = 0

@@ -33,10 +33,10 @@ from functools import reduce
 import numpy as np
 
 from minikv import online_softmax
-from minikv.collectives import Collectives
 from minikv.errors import ConfigError, ShapeError
 from minikv.kv_cache import KVCacheBase, Step, lookup_sequence
-from minikv.mla import LatentUp, MLAConfig
+from minikv.mla.latent import LatentUp, MLAConfig
+from minikv.parallel.collectives import Collectives
 
 STRIPED_KINDS = ("contiguous", "paged")
 

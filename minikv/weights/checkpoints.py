@@ -35,8 +35,9 @@ import numpy as np
 
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
 from minikv.layers import YarnConfig
-from minikv.mla import MLAConfig
-from minikv.model import LayerWeights, MLALayerWeights, Model, ModelConfig, ModelWeights
+from minikv.mla.block import MLALayerWeights
+from minikv.mla.latent import MLAConfig
+from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
 
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
 

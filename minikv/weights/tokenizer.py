@@ -2,10 +2,10 @@
 
 This module knows nothing of file formats: a ``Tokenizer`` is built from plain
 lists (the vocabulary, its token types, the merges, the BOS/EOS ids and the
-chat template). ``minikv.gguf.load_tokenizer`` reads those lists out of a GGUF
+chat template). ``minikv.weights.gguf.load_tokenizer`` reads those lists out of a GGUF
 file (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``, ...)::
 
-    tok = load_tokenizer()                          # from minikv.gguf
+    tok = load_tokenizer()                          # from minikv.weights.gguf
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
 
 The vocabulary is built with the ``tokenizers`` library. Tokens of type 3

@@ -1,0 +1,171 @@
+"""Step 3, the attention: the paged layout, the slot mapping, and attention that reads blocks through a block table.
+
+The data layout (the GPU wing ``minikv_gpu.paged`` mirrors it exactly)
+--------------------------------------------------------------------------
+* Pools, one per layer, preallocated once::
+
+      k_pool[layer]: [num_blocks, block_size, Hkv, D]      (v_pool the same)
+
+  Stored together as ``cache.k_pool: [L, num_blocks, block_size, Hkv, D]``.
+* A **block table** per sequence: ``int32 [num_blocks_of_seq]``; entry j is the
+  physical block holding the sequence's positions ``j*bs .. j*bs + bs - 1``.
+* A **slot** names one token row of a pool: ``slot = block_id * block_size + offset``.
+  The token at position ``p`` of a sequence lives in slot
+  ``table[p // bs] * bs + p % bs``. Writes go through a per-step **slot
+  mapping** ``[N] int64`` (one slot per packed new token) into the pool viewed
+  as ``[num_blocks * block_size, Hkv, D]``.
+  Offsets are 64-bit on purpose. Within one layer's pool the element offset is
+  ``slot * Hkv * D + head * D + dim``: 32 bits hold it while ``num_blocks * block_size
+  * Hkv * D <= 2**31`` (Hkv 8, D 128: 2**21 slots per layer). A large GPU passes that with
+  a shallow model or a 1-byte cache, and a kernel indexing across layers (``copy_blocks``)
+  passes it L times sooner, so kernels compute ``(int64)slot * stride`` (Q17 of
+  docs/interview.md has the numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from minikv import online_softmax
+from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_int
+
+
+def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots of ``positions`` of one sequence: ``table[p // bs] * bs + p % bs`` as int64 ([T] -> [T])."""
+    positions = np.asarray(positions, dtype=np.int64)
+    table = np.asarray(block_table, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+TileLoader = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def gather_blocks(pool: np.ndarray, blk: np.ndarray) -> np.ndarray:
+    """The default tile loader: blocks ``blk`` [R, tile] of ``pool`` -> [R, tile, block_size, Hkv, D]."""
+    return pool[blk]
+
+
+def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block_tables: np.ndarray,
+                    context_lens: np.ndarray, query_lens: np.ndarray | None = None,
+                    blocks_per_tile: int | None = None, load_tile: TileLoader | None = None) -> np.ndarray:
+    """Attention of packed queries over each sequence's blocks, read through its block table.
+
+    q:               [N, Hq, D] queries of B sequences, packed (sequence b owns query_lens[b] rows)
+    k_pool:          [num_blocks, block_size, Hkv, D] (one layer's pool; v_pool the same)
+    block_tables:    [B, max_blocks] int32; entries past a sequence's last block are ignored
+    context_lens:    [B] tokens each sequence holds *including* this step's
+    query_lens:      [B] new tokens per sequence (default all 1: pure decode); sum = N
+    blocks_per_tile: blocks read per iteration (1 = one block at a time; default ~128 keys)
+    load_tile:       ``load_tile(pool, blk) -> [*blk.shape, block_size, Hkv, D]``, the blocks ``blk`` of a
+                     pool (default ``pool[blk]``); a quantized cache dequantizes there (``minikv.quant``)
+    returns:         [N, Hq, D] in q's dtype
+
+    The t-th query of sequence b sits at ``p = context_lens[b] - query_lens[b] + t`` and sees
+    keys ``0..p``. Keys are walked in block order, a tile of blocks at a time for all queries
+    together, through the online softmax (``minikv.online_softmax``): the history is never
+    gathered into one [S, D] array. Every query attends over **all** blocks of its sequence
+    (the "local page only" toy of some write-ups silently drops earlier pages: another model).
+    Stale slots of a partly filled last block (possibly NaN) are masked, and the core selects
+    their V rows away rather than multiplying them by 0.
+    """
+    block_tables, context_lens, query_lens, tile = check_paged_attention_args(
+        q, k_pool, v_pool, block_tables, context_lens, query_lens, blocks_per_tile)
+    n, hq, d = q.shape
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    dt, g, span = q.dtype, hq // hkv, tile * bs  # span: keys per tile
+    scale = dt.type(1.0 / np.sqrt(d))  # a float32 scalar keeps float32 math float32
+    seq_of, pos = query_positions(context_lens, query_lens)                 # [N] sequence, position
+    visible = pos + 1                                                        # [N] keys 0..pos
+    tables = _whole_tiles(block_tables, context_lens, bs, tile)[seq_of]      # [N, width] physical ids
+    qg = q.reshape(n, hkv, g, d)  # a whole GQA group per KV head: K/V of a block read once per group
+    load = gather_blocks if load_tile is None else load_tile
+    state = online_softmax.start((n, hkv, g), d, dt)
+    for start in range(0, int(visible.max()), span):
+        rows = np.flatnonzero(visible > start)  # queries that see at least one key of this tile
+        r = rows.size
+        rows = slice(None) if r == n else rows  # all of them: views instead of fancy-indexed copies
+        blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
+        kb = load(k_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
+        vb = load(v_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)
+        scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
+        valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
+        state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
+                                            valid[:, None, None, :], overwrite=True)
+    out = online_softmax.finish(state).reshape(n, hq, d)
+    assert out.dtype == dt, out.dtype
+    return out
+
+
+def _whole_tiles(block_tables: np.ndarray, context_lens: np.ndarray, bs: int, tile: int) -> np.ndarray:
+    """Block tables [B, width] padded to whole tiles, unused entries pointing at block 0.
+
+    Unused entries may hold anything (-1 padding...); block 0's slots there are masked.
+    """
+    bsz, width = block_tables.shape
+    in_use = np.arange(width)[None, :] < (-(-context_lens // bs))[:, None]
+    safe = np.zeros((bsz, -(-width // tile) * tile), dtype=np.int64)
+    safe[:, :width] = np.where(in_use, block_tables, 0)
+    return safe
+
+
+def default_blocks_per_tile(block_size: int, tile_tokens: int = 128) -> int:
+    """Blocks walked per online-softmax iteration by default: about ``tile_tokens`` keys per tile."""
+    return max(1, tile_tokens // int(block_size))
+
+
+def query_positions(context_lens: np.ndarray, query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every packed query: the sequence it belongs to and its position, both int64 [N].
+
+    Sequence b owns ``query_lens[b]`` consecutive rows; its t-th query sits at
+    ``context_lens[b] - query_lens[b] + t`` (the new tokens are the last ones).
+    """
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_of = np.repeat(np.arange(query_lens.size), query_lens)
+    first = np.repeat(np.cumsum(query_lens) - query_lens, query_lens)  # each query's sequence's first row
+    pos = np.repeat(context_lens - query_lens, query_lens) + np.arange(seq_of.size) - first
+    return seq_of, pos
+
+
+def check_paged_attention_args(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
+                                blocks_per_tile=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Validate ``paged_attention``'s arguments; raise ShapeError/ConfigError/InvalidInputError.
+
+    Only the shapes of ``q`` and the pools are read (so device arrays pass too); the index
+    arrays are read on the host. Returns ``(block_tables, context_lens [B] int64,
+    query_lens [B] int64, blocks_per_tile)`` with the defaults filled in.
+    """
+    if q.ndim != 3 or k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
+        raise ShapeError(f"q.shape={q.shape}, k_pool.shape={k_pool.shape}, v_pool.shape={v_pool.shape}; "
+                         "expected q [N, Hq, D] and pools [num_blocks, block_size, Hkv, D]")
+    n, hq, d = q.shape
+    num_blocks, bs, hkv, dk = k_pool.shape
+    if dk != d:
+        raise ShapeError(f"head_dim differs: q has {d}, the pool {dk}")
+    if hq % hkv:
+        raise ConfigError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    tile = default_blocks_per_tile(bs) if blocks_per_tile is None else check_int("blocks_per_tile", blocks_per_tile)
+    context_lens = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    bsz = context_lens.size
+    query_lens = np.ones(bsz, np.int64) if query_lens is None else np.asarray(query_lens, np.int64).ravel()
+    block_tables = np.asarray(block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != bsz or query_lens.size != bsz:
+        raise ShapeError(f"block_tables.shape={block_tables.shape}, {query_lens.size} query_lens and "
+                         f"{bsz} context_lens; expected [B, max_blocks], [B], [B]")
+    if int(query_lens.sum()) != n or np.any(query_lens < 1) or np.any(query_lens > context_lens):
+        raise InvalidInputError(f"query_lens={query_lens.tolist()} with context_lens={context_lens.tolist()} "
+                                f"and N={n} queries: each sequence needs 1 <= query_len <= context_len, "
+                                "summing to N")
+    need = -(-context_lens // bs)
+    width = block_tables.shape[1]
+    if np.any(need > width):
+        raise ShapeError(f"block_tables has {width} columns but a context of "
+                         f"{int(context_lens.max())} tokens needs {int(need.max())} blocks of {bs}")
+    in_use = np.arange(width)[None, :] < need[:, None]
+    used = block_tables[in_use]
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise InvalidInputError(f"block table entry {int(used.min() if used.min() < 0 else used.max())} is "
+                                f"outside the pool [0, {num_blocks})")
+    return block_tables, context_lens, query_lens, tile
