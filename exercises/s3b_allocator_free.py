@@ -1,32 +1,31 @@
-"""Step 3, exercise ``allocator_decref``: give a block back to the allocator.
+"""Step 3b, exercise ``allocator_free``: ``minikv.textbook.s3b_sharing_batching.SharingAllocator.free``, body removed.
 
-Reference: ``minikv.block_allocator.BlockAllocator.decref``. Your function replaces that method
-(it gets ``self``, a BlockAllocator); freeing a sequence, preemption and copy-on-write all call it.
-Check: ``python -m exercises allocator_decref``.
+Your function replaces that method (it gets ``self``, a ``SharingAllocator``): freeing a finished
+sequence, copy-on-write and continuous batching all call it. Check: ``python -m exercises allocator_free``.
 """
 
-from minikv.errors import InvalidInputError
+from __future__ import annotations
+
+from minikv.textbook.s3_paged import BlockAllocator
 
 
-def decref(self, block_id: int) -> None:
+def free(self, block_id: int) -> None:
     """One owner fewer for block ``block_id``.
 
-    What you can use on ``self`` (read minikv/block_allocator.py):
-        b = self.blocks[self._check_id(block_id)]    a Block: ref_count, hash, block_id, forget()
-        self._free                                    deque of free block ids (allocate pops the left)
-        self._cached_free                             dict block_id -> None, the LRU list of freed
-                                                      blocks that still hold a cached prefix
-        self._table                                   dict hash -> the block id that owns that hash
+    What you can use on ``self`` (read minikv/textbook/s3b_sharing_batching.py):
+        self.refs[block_id]     how many block tables hold the block
+        self.free_ids           step 3's free list (a deque; ``allocate`` pops the left end)
+        self.cached, self.hash_of  the prefix cache: hash -> block, block -> hash
 
     Rules:
-    - ref_count already 0: raise ``InvalidInputError`` (a double free), changing nothing;
-    - otherwise ref_count -= 1, and when it reaches 0:
-      - a block registered in the prefix cache (``b.hash is not None`` and ``self._table.get(b.hash)``
-        is this block) joins the *end* of ``self._cached_free`` (most recently freed, evicted last);
-      - any other block calls ``b.forget()`` and is appended to ``self._free``.
-    Hint: about 10 lines.
+    - refs[block_id] -= 1;
+    - when it reaches 0 the block goes to the *end* of the free list (step 3's free:
+      ``BlockAllocator.free(self, block_id)``; ``super()`` does not work outside the class);
+    - its hash stays in the prefix cache: a later prompt can still revive the block, until
+      ``allocate`` hands it out again.
+    Hint: 3 lines.
     """
-    raise NotImplementedError("write me: BlockAllocator.decref (see the docstring)")
+    raise NotImplementedError("write me: SharingAllocator.free (see the docstring)")
 
 
-__all__ = ["decref", "InvalidInputError"]
+__all__ = ["free", "BlockAllocator"]

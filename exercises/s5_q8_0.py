@@ -1,27 +1,28 @@
-"""Step 5, exercise ``q8_0``: llama.cpp's q8_0 block, byte for byte.
+"""Step 5, exercise ``q8_0``: ``minikv.textbook.s5_quant.encode_q8_0`` / ``decode_q8_0`` with their bodies removed.
 
-Reference: ``minikv.quant_codecs.encode_q8_0`` / ``decode_q8_0``; the tests compare your bytes with
-the ``gguf`` package's own quantizer. Check: ``python -m exercises q8_0``.
+The tests compare your bytes with the ``gguf`` package's own quantizer (llama.cpp's format), then
+run the lesson's quantized cache on them. Check: ``python -m exercises q8_0``.
 """
+
+from __future__ import annotations
 
 import numpy as np
 
-from minikv.quant_codecs import round_half_away
-
-QK = 32  # values per q8_0 block
+from minikv.textbook.s5_quant import QK, round_half_away
 
 
 def encode_q8_0(x: np.ndarray) -> np.ndarray:
-    """[..., n] float (n a multiple of 32) -> [..., n // 32 * 34] uint8.
+    """[..., n] floats (n a multiple of 32) -> [..., n // 32 * 34] uint8.
 
-    Per group g of 32 consecutive values:
-        d = max|g| / 127                 stored as float16: 2 bytes, little-endian
-        q = roundf(g / d) as int8        32 bytes (0 where d == 0); roundf rounds ties away from
+    Per group g of 32 consecutive values along the last axis:
+        d = max|g| / 127                 computed in float32, stored as float16: 2 bytes, little-endian
+        q = roundf(g * (1 / d)) as int8  32 bytes (0 where d == 0); roundf rounds ties away from
                                          zero: use ``round_half_away`` (np.round rounds to even)
     record = d's 2 bytes then q's 32 bytes; the records follow each other.
-    Details that make the bytes exact: compute d in float32; divide by multiplying with
-    ``1 / d`` in float32 (llama.cpp does); the scale stored is ``d.astype(np.float16)``.
-    Hint: reshape to [..., n // 32, 32]; ``a.view(np.uint8)`` gives an array's bytes.
+    Details that make the bytes exact: cast x to float32 first; divide by multiplying with
+    ``1 / d`` in float32 (llama.cpp does); the scale stored is ``d.astype("<f2")``.
+    Hint: reshape to [..., n // 32, 32] (not with -1: the leading axes may be empty);
+    ``a.view(np.uint8)`` gives an array's bytes.
     """
     raise NotImplementedError("write me: q8_0 encode (see the docstring)")
 
