@@ -109,6 +109,7 @@ class Cache:
 
     @contextmanager
     def step(self, seq_ids, num_new):
+        """Open one forward pass of ``num_new[i]`` new tokens for each ``seq_ids[i]``; yields positions [N]."""
         starts = np.cumsum([0, *num_new])
         # per sequence: its id, the positions of its new tokens [T], its packed rows
         self.seqs = [(sid, np.arange(self.lens[sid], self.lens[sid] + n), slice(a, b))
@@ -123,6 +124,7 @@ class Cache:
                                for sid, pos, rows in self.seqs])
 
     def attend_one(self, layer: int, q: np.ndarray, tiles) -> np.ndarray:
+        """One sequence: q [T, Hq, D] over its tiles (step 4 attends in latent space instead)."""
         return attend_tiles(q, tiles, self.num_kv_heads, 1 / np.sqrt(self.head_dim))
 
 
@@ -147,6 +149,7 @@ class ContiguousCache(Cache):
         self.slab[seq_id] = len(self.slab)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: [N, Hkv, D]: each sequence's rows go to their positions in its slab."""
         for sid, pos, rows in self.seqs:
             self.k[layer, self.slab[sid], pos] = k[rows]
             self.v[layer, self.slab[sid], pos] = v[rows]

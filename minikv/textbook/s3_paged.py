@@ -98,6 +98,7 @@ class PagedCache(Cache):
             yield positions
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: [N, Hkv, D]: each new token's row goes to its slot, through the slot mapping."""
         rows_of_pool = (-1, self.num_kv_heads, self.head_dim)  # one layer's pool as slots: a view, not a copy
         for sid, pos, rows in self.seqs:
             slots = slot_mapping(self.tables[sid], pos, self.block_size)

@@ -137,7 +137,7 @@ class SharingCache(PagedCache):
 def serve(model, cache: SharingCache, prompts: list, max_new_tokens: int) -> list:
     """Greedy answers to many prompts through one pool, continuously batched: [new ids] per prompt.
 
-    Every prompt must fit the pool on its own: ceil((P + max_new_tokens - 1) / b) blocks.
+    ``cache`` starts empty; every prompt must fit its pool on its own: ceil((P + max_new_tokens - 1) / b) blocks.
     """
     eos, bs = model.config.eos_token_id, cache.block_size
     need = [-(-(len(p) + max_new_tokens - 1) // bs) for p in prompts]  # the most blocks each may hold

@@ -26,8 +26,8 @@ twice, as codes for the queries at which its blocks are full and as full-precisi
 the others; the masks make each key count once per query. The history is never dequantized
 as a whole.
 
-(The engine's ``QuantizedPagedKVCache`` also holds the codecs of steps 5's other formats:
-q4_0, q4_1, KIVI's per-channel keys, FP8; and it keeps this reference's full-size residual pool.)
+(The engine's ``QuantizedPagedKVCache`` also stores step 5's other formats: q4_0, q4_1, KIVI's
+per-channel keys, FP8. Like it, this lesson keeps a full-size pool for the residual rows.)
 
 Run it: ``python -m minikv.textbook.s5_quant`` (against ``QuantizedPagedKVCache(kv_dtype="int8")``).
 """
