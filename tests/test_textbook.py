@@ -587,6 +587,19 @@ def test_smollm2_greedy_tokens_equal_the_engine(smollm2, lesson):
     assert mine == ref and all(len(ids) >= 8 for ids in mine), (mine, ref)
 
 
+@pytest.mark.model
+def test_smollm2_s8_over_two_ranks_equals_the_engines_two_ranks(smollm2):
+    pytest.importorskip("mpi4py", reason="the engine's ranks need mpi4py's MPI.SUM (the parallel extra)")
+    from minikv.parallel import ParallelModel, generate
+    from minikv.textbook.demo import QUESTIONS
+
+    model, tok = smollm2
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]))
+    tp = s8.TensorParallel(model, 2, len(ids) + 16)
+    ranks = run_ranks(2, lambda comm: generate(ParallelModel(model, tp=2, comm=comm), ids, 16).token_ids)
+    assert s1.greedy(tp, tp, ids, 16) == ranks[0] == ranks[1]
+
+
 def test_s4_runs_as_a_module_on_its_random_model():
     proc = subprocess.run([sys.executable, "-m", "minikv.textbook.s4_mla"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

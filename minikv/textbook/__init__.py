@@ -1,25 +1,21 @@
 """The textbook: one short lesson per step, the idea and nothing else. Read them in this order.
 
-=====================  ================================================================  ==========================
-lesson                 the idea                                                          its engine chapter
-=====================  ================================================================  ==========================
-s1_attention           attention from scratch: softmax, GQA heads, the causal mask; a    ``minikv.kv_cache.NoCache``
-                       "cache" that keeps nothing, so each pass recomputes every K/V
-s2_kv_cache            the seam (step / write / attend), the online softmax (m, l, acc)  ``ContiguousKVCache``
-                       and a contiguous cache: prefill once, then one token per pass
-s3_paged               a pool of blocks: free list, block table, slot mapping, attention  ``minikv.paged``
-                       over tiles of blocks; stale slots never leak
-s3b_sharing_batching   chained block hashes, ref counts, prefix sharing, copy-on-write;   ``PagedKVCache`` prefix
-                       continuous batching (admit while blocks last, retire at once)      caching, ``Scheduler``
-s4_mla                 DeepSeek's latent cache [c_kv ; k_pe], absorbed attention as MQA,  ``minikv.mla``
-                       decoupled RoPE
-s5_quant               full blocks quantized once (q8_0), the open block the residual,    ``minikv.quant``
-                       dequantized per tile inside attention
-s6_window              a ring of W slots with S attention sinks, positions per slot       ``minikv.window``
-s7_rollback            speculative decoding by prompt lookup, and ``truncate``            ``minikv.speculative``
-s8_heads               tensor parallelism over heads: each rank caches its own KV heads;  ``minikv.parallel``
-                       partial outputs summed (the all-reduce)
-=====================  ================================================================  ==========================
+s1_attention          attention from scratch: softmax, GQA heads, the causal mask; a "cache" that
+                      keeps nothing, so every pass recomputes every K/V   (engine: minikv.kv_cache.NoCache)
+s2_kv_cache           the seam (step / write / attend), the online softmax (m, l, acc), a contiguous
+                      cache: prefill once, then one token per pass        (ContiguousKVCache)
+s3_paged              a pool of blocks: free list, block table, slot mapping, attention over tiles
+                      of blocks; stale slots never leak                   (minikv.paged.PagedKVCache)
+s3b_sharing_batching  chained block hashes, ref counts, prefix sharing, copy-on-write; continuous
+                      batching                                            (PagedKVCache, minikv.scheduler)
+s4_mla                DeepSeek's latent cache [c_kv ; k_pe], absorbed attention as MQA, decoupled
+                      RoPE                                                (minikv.mla)
+s5_quant              full blocks quantized once (q8_0), the open block the residual, dequantized
+                      per tile inside attention                           (minikv.quant)
+s6_window             a ring of W slots with n_sink attention sinks, positions per slot (minikv.window)
+s7_rollback           speculative decoding by prompt lookup, and truncate (minikv.speculative)
+s8_heads              tensor parallelism over heads: each rank caches its own KV heads, partial
+                      outputs summed by the all-reduce                    (minikv.parallel)
 
 A lesson is NumPy plus ``minikv.layers`` and the engine's ``minikv.model.Model``, which runs any
 object that honours the seam. It imports the lesson it builds on, and the lines it adds are

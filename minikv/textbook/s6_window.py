@@ -3,18 +3,18 @@
 Steps 2 to 5 keep every token, so the cache grows with the text. A window keeps the W newest
 tokens of each sequence and forgets the rest: memory stops growing. StreamingLLM found that a
 windowed model falls apart once the first tokens leave, because attention parks surplus weight
-on them (*attention sinks*); keeping the first ``n_sink`` tokens for good (S below) fixes it. So
-query q sees key k iff k <= q and either k is a sink (k < S) or k is among the W - S newest:
-``q - k < W - S`` (the window counts the query's own token).
+on them (*attention sinks*); keeping the first n_sink tokens for good fixes it. So query q sees
+key k iff k <= q and either k is a sink (k < n_sink) or k is among the W - n_sink newest:
+``q - k < W - n_sink`` (the window counts the query's own token).
 
 The ring buffer
 ---------------
-Each sequence owns W slots per layer: the sinks keep slots 0 .. S-1 forever, and every later
-token cycles through the W - S slots after them, overwriting the token that has just left the
-window::
+Each sequence owns W slots per layer: the sinks keep slots 0 .. n_sink - 1 forever, and every
+later token cycles through the W - n_sink slots after them, overwriting the token that has just
+left the window::
 
-    slot(p) = p                          if p < S
-            = S + (p - S) mod (W - S)    otherwise       (W = 6, S = 2: 0 1 2 3 4 5 2 3 4 5 2 ...)
+    slot(p) = p                                       if p < n_sink
+            = n_sink + (p - n_sink) mod (W - n_sink)  otherwise    (W = 6, n_sink = 2: 0 1 2 3 4 5 2 3 4 5 2 ...)
 
 That is O(1) work per token, where a window that shifts its buffer moves W rows every step.
 Attention reads the ring **in storage order**: step 2's online softmax does not care in which
@@ -23,14 +23,14 @@ ring wraps, slot order is not time order; the mask reads those positions (-1: an
 
 A step's own tokens are attended from where ``write`` left them (a prefill longer than the
 window would overwrite, in the ring, keys its own earlier queries still need); when the step
-ends, the sinks and the W - S newest of them enter the ring.
+ends, the sinks and the W - n_sink newest of them enter the ring.
 
 What it equals: keys are rotated at their absolute positions when written (the *original*
 contract), so this is not the model run over the kept tokens; it is one forward over the whole
 text in which token t sees exactly the keys the window kept at t (``minikv.window`` builds that
 masked recompute; step 6 of the engine also has H2O, SnapKV and re-rotated *in-cache* positions).
 
-Run it: ``python -m minikv.textbook.s6_window`` (W = 32, S = 4, so the ring wraps inside the
+Run it: ``python -m minikv.textbook.s6_window`` (W = 32, n_sink = 4, so the ring wraps inside the
 prompt; against ``minikv.window.EvictingKVCache(WindowPolicy(32, 4))``).
 """
 
@@ -46,7 +46,7 @@ from minikv.textbook.s2_kv_cache import Cache
 
 
 def ring_slot(p: np.ndarray, window: int, sinks: int) -> np.ndarray:
-    """The ring slot of each position p ([T] ints) in W = ``window`` slots whose first S = ``sinks`` are sinks."""
+    """The ring slot of each position p ([T] ints): W = ``window`` slots, the first n_sink = ``sinks`` for sinks."""
     return np.where(p < sinks, p, sinks + (p - sinks) % (window - sinks))
 
 
@@ -86,7 +86,7 @@ class RingCache(Cache):
     def step(self, seq_ids, num_new):
         with super().step(seq_ids, num_new) as positions:
             yield positions
-        for sid, pos, _ in self.seqs:  # the sinks and the W - S newest tokens enter the ring: one slot each
+        for sid, pos, _ in self.seqs:  # the sinks and the W - n_sink newest tokens enter the ring: one slot each
             keep = (pos < self.sinks) | (pos > pos[-1] - (self.window - self.sinks))
             slots, i = ring_slot(pos[keep], self.window, self.sinks), self.ring[sid]
             for layer, new in self.new.items():

@@ -1,6 +1,6 @@
 """Step 8: tensor parallelism over heads, simulated in one process. Each rank caches its own KV heads.
 
-When a model does not fit one device, Megatron-style tensor parallelism gives each of R ranks
+When a model does not fit one device, Megatron-style tensor parallelism gives each of tp ranks
 (devices) the whole residual stream x: [N, H] and a *slice* of every weight. For attention the
 slice is a set of heads:
 
@@ -16,12 +16,12 @@ cache is never gathered**, only activations cross ranks, one all-reduce per laye
 
 How the heads split
 -------------------
-* R <= Hkv: the KV heads go in contiguous chunks whose sizes differ by at most one (larger
-  first), each with its g query heads. SmolLM2 (9 query, 3 KV heads) over R = 2: 6 + 3 query
+* tp <= Hkv: the KV heads go in contiguous chunks whose sizes differ by at most one (larger
+  first), each with its g query heads. SmolLM2 (9 query, 3 KV heads) over tp = 2: 6 + 3 query
   heads and 2 + 1 KV heads; rank 0 does twice the attention and holds twice the cache.
-* R > Hkv: the ranks go in contiguous groups over the KV heads; every rank of a group holds a
-  **replica** of that KV head and a share of its query heads. R = 9 on SmolLM2: one query head per
-  rank and three copies of each KV head, 3x the KV bytes of R = 3 in total.
+* tp > Hkv: the ranks go in contiguous groups over the KV heads; every rank of a group holds a
+  **replica** of that KV head and a share of its query heads. tp = 9 on SmolLM2: one query head per
+  rank and three copies of each KV head, 3x the KV bytes of tp = 3 in total.
 
 The engine (``minikv.parallel``) also splits the MLP (gate/up by columns, W_down by rows: a second
 all-reduce per layer) and the vocabulary, and runs each rank in its own MPI process. Here the
