@@ -26,6 +26,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) "nvidia-cuda-nvrtc==13.0.*"  # libnvrtc: the kernels also compile as CuPy compiles them (no GPU needed)
 	touch $@
 
+# The exercises need only the plain install plus pytest and hypothesis (exercises/README.md).
+$(VENV)/.installed-exercise: $(VENV)/.installed
+	$(PIP) "pytest>=8" "hypothesis>=6.100"
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -66,9 +71,9 @@ bench: install-test
 lint: install-test
 	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks exercises notebooks docs_site
 
-# One exercise (exercises/README.md): the step's own tests run on your function, e.g. make exercise EX=ring_slot.
+# One exercise (exercises/README.md): the lesson's own tests run on your function, e.g. make exercise EX=ring_slot.
 # With no EX: the list of exercises.
-exercise: install-test
+exercise: $(VENV)/.installed-exercise
 	$(PY) -m exercises $(EX)
 
 clean:

@@ -1,6 +1,6 @@
-"""``python -m exercises NAME [--reference] [pytest args...]``: run step NAME's tests on your function.
+"""``python -m exercises NAME [--reference] [pytest args...]``: run the lesson's tests on your function.
 
-With no NAME: list the exercises. ``--reference``: the library's own function instead (passes).
+With no NAME: list the exercises. ``--reference``: the lesson's own function instead (passes).
 """
 
 from __future__ import annotations

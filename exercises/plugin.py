@@ -1,14 +1,14 @@
-"""pytest plugin: swap an exercise's functions into minikv before the tests are collected.
+"""pytest plugin: swap an exercise's functions into its lesson before the tests are collected.
 
 Loaded with ``-p exercises.plugin``; does nothing unless ``MINIKV_EXERCISE`` names an exercise.
-``MINIKV_EXERCISE_USE=reference`` plugs in the library's own functions (each wrapped in a new
+``MINIKV_EXERCISE_USE=reference`` plugs in the lesson's own functions (each wrapped in a new
 function, so the swap itself is exercised) instead of the stub's.
 
-How the swap works: a target ``module:attr`` is replaced in its module and in every imported
-``minikv``/``minikv_gpu`` module that holds the same object under any name (``from minikv.paged
-import slot_mapping`` copies the name); a target ``module:Class.method`` is set on the class. The
-test modules are imported after this runs, so their own ``from ... import`` see the learner's function.
-One table holds functions outside module namespaces: ``quant_codecs.CODECS["q8_0"]`` is rebuilt.
+How the swap works: a target ``module:attr`` is replaced in its lesson module and in every imported
+``minikv`` module that holds the same object under any name (``from minikv.textbook.s3_paged import
+slot_mapping`` copies the name); a target ``module:Class.method`` is set on the class. The lessons
+look their functions up when they run, and ``tests/test_textbook.py`` calls them through their
+module (``s3.slot_mapping``), so the tests and the lesson code they drive call yours.
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ import os
 import sys
 
 from exercises import EXERCISES
-
-# imported before the swap, so that every module holding a copy of a name is found and patched
-# (a chapter package imports all of its modules)
-MODULES = ("minikv.attention", "minikv.online_softmax", "minikv.kv_cache", "minikv.paged", "minikv.mla",
-           "minikv.quant", "minikv.window", "minikv.model", "minikv.generate")
+from minikv.textbook import LESSONS
 
 
 def resolve(target: str):
@@ -42,7 +38,7 @@ def swap(target: str, new) -> None:
     if isinstance(owner, type):
         return  # a method: every instance and subclass reads it from the class
     for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(("minikv", "minikv_gpu")):
+        if mod is None or not name.startswith("minikv"):
             continue
         for key, value in list(vars(mod).items()):
             if value is old:
@@ -50,7 +46,7 @@ def swap(target: str, new) -> None:
 
 
 def reference_of(target: str):
-    """The library's function in a fresh wrapper (a different object, so ``swap`` really swaps)."""
+    """The lesson's function in a fresh wrapper (a different object, so ``swap`` really swaps)."""
     fn = resolve(target)[2]
 
     @functools.wraps(fn)
@@ -61,17 +57,14 @@ def reference_of(target: str):
 
 
 def install(name: str, use: str = "stub") -> None:
-    """Swap exercise ``name``'s functions into minikv: the stub's (``use="stub"``) or the library's."""
+    """Swap exercise ``name``'s functions into its lesson: the stub's (``use="stub"``) or the lesson's own."""
     ex = EXERCISES[name]
-    for mod in MODULES:
-        importlib.import_module(mod)
+    for lesson in LESSONS:  # imported before the swap, so that every copy of a name is found
+        importlib.import_module(f"minikv.textbook.{lesson}")
     stub = importlib.import_module(f"exercises.{ex.stub}")
     new = {fn: (getattr(stub, fn) if use == "stub" else reference_of(target)) for fn, target in ex.targets}
     for fn, target in ex.targets:
         swap(target, new[fn])
-    if name == "q8_0":
-        from minikv.quant import codecs as qc
-        qc.CODECS["q8_0"] = qc._fixed("q8_0", 2 + qc.QK, new["encode_q8_0"], new["decode_q8_0"])
 
 
 def pytest_configure(config) -> None:
@@ -86,4 +79,4 @@ def pytest_configure(config) -> None:
 def pytest_report_header(config):
     name = os.environ.get("MINIKV_EXERCISE")
     if name:
-        return f"exercise {name}: {os.environ.get('MINIKV_EXERCISE_USE', 'stub')} functions swapped into minikv"
+        return f"exercise {name}: {os.environ.get('MINIKV_EXERCISE_USE', 'stub')} functions swapped into the lesson"

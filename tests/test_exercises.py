@@ -1,9 +1,11 @@
-"""The exercises (exercises/README.md): each stub fails its step's tests, the library's own function passes them.
+"""The exercises (exercises/README.md): each stub fails its lesson's tests, the lesson's own function passes them.
 
 Both runs go through the same route a learner's does: ``python -m exercises NAME`` (the pytest
-plugin ``exercises.plugin`` swaps the functions into minikv), with ``--reference`` for the library.
+plugin ``exercises.plugin`` swaps the functions into the lesson), with ``--reference`` for the lesson.
 """
 
+import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from exercises import EXERCISES
+from exercises.plugin import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_exercise(name: str, *args: str) -> subprocess.CompletedProcess:
+def run_exercise(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "exercises", name, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=120, env=env)
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))
@@ -35,6 +38,26 @@ def test_the_reference_passes_the_same_tests(name):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert " passed" in out and "failed" not in out and "skipped" not in out.splitlines()[-1], out
+
+
+def test_an_exercise_needs_neither_torch_nor_transformers_nor_mpi(tmp_path):
+    """``make exercise`` installs numpy, pytest, hypothesis and the model wheel only: importing more must fail."""
+    for module in ("torch", "transformers", "mpi4py", "cupy"):
+        (tmp_path / f"{module}.py").write_text(f"raise ImportError('an exercise imported {module}')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for name in sorted(EXERCISES):
+        proc = run_exercise(name, "--reference", env=env)
+        assert proc.returncode == 0 and "skipped" not in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_each_stub_is_its_lesson_function_without_the_body(name):
+    ex = EXERCISES[name]
+    stub = __import__(f"exercises.{ex.stub}", fromlist=["_"])
+    for fn, target in ex.targets:
+        mine, lesson = inspect.signature(getattr(stub, fn)), inspect.signature(resolve(target)[2])
+        assert [(p.name, p.default) for p in mine.parameters.values()] == \
+               [(p.name, p.default) for p in lesson.parameters.values()], f"{ex.stub}.{fn} vs {target}"
 
 
 def test_every_exercise_has_its_stub_and_is_listed_in_the_readme():

@@ -1,7 +1,10 @@
-"""Step 1, exercise ``softmax``: the numerically stable softmax (reference: ``minikv.attention.softmax``).
+"""Step 1, exercise ``softmax``: ``minikv.textbook.s1_attention.softmax`` with its body removed.
 
-Check: ``python -m exercises softmax`` (runs ``tests/test_attention.py -k softmax`` on yours).
+Every attention of the step-1 lesson calls it. Check: ``python -m exercises softmax`` (the
+step-1 lesson's tests in tests/test_textbook.py run with your function in the lesson).
 """
+
+from __future__ import annotations
 
 import numpy as np
 
@@ -18,6 +21,6 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
       to ``np.finfo(x.dtype).min`` and the sum to ``np.finfo(x.dtype).tiny``;
     - an axis of length 0 returns an empty array (``np.max(..., initial=-np.inf)`` avoids the error).
 
-    Hint: 4 lines. Keep ``x``'s dtype (no float64 upcast of a float32 input).
+    Hint: 3 lines. Keep ``x``'s dtype (no float64 upcast of a float32 input).
     """
     raise NotImplementedError("write me: the stable softmax (see the docstring)")
