@@ -43,7 +43,7 @@ def _paged_copy(rt, case: AttnCase, contiguous, kd, vd):
         cache.write(0, rows(contiguous.k), rows(contiguous.v))
     cache.begin_step(range(b), [1] * b)
     cache.write(0, kd, vd)
-    slots = rt.asarray(np.concatenate([slot_mapping(cache.block_table(i), np.arange(s + 1), bs) for i in range(b)]))
+    slots = rt.asarray(np.concatenate([slot_mapping(cache.blocks.table(i), np.arange(s + 1), bs) for i in range(b)]))
 
     def gather(pool):  # back out of the blocks: [B, Hkv, S+1, D]
         flat = pool[0].reshape(-1, hkv, d)[slots]

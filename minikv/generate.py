@@ -24,6 +24,7 @@ import numpy as np
 from minikv.errors import ConfigError, InvalidInputError, check_choice, check_int
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
+from minikv.paged.allocator import num_blocks_for
 from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
 from minikv.speculative import SPECULATIVE_KINDS, SpecStats, speculative_decode
 
@@ -54,7 +55,7 @@ class CacheKind:
 
 def _paged_blocks(max_len: int, max_seqs: int, block_size) -> int:
     """Blocks for every sequence's max length (a partial last block is a whole block)."""
-    return max_seqs * -(-max_len // _paged_block_size(block_size))
+    return max_seqs * num_blocks_for(max_len, _paged_block_size(block_size))
 
 
 # An MLA model's ``new_cache_args`` carry its ``MLAConfig`` ("mla"): each kind then builds its

@@ -328,15 +328,15 @@ class ContiguousKVCache(KVCacheBase):
             check_int(name, val)
         self.max_seqs, self.max_len = int(max_seqs), int(max_len)
         shape = (self.num_layers, self.max_seqs, self.num_kv_heads, self.max_len, self.head_dim)
-        self.k = self._new_buffer(shape)
-        self.v = self._new_buffer(shape)
+        self.k, self.v = self._new_store(shape)
         self._slot: dict = {}  # seq_id -> slot index
         self._len = np.zeros(self.max_seqs, dtype=np.int64)
 
-    # -- storage hook: a device cache (minikv_gpu.kv_cache) overrides this, write and attend ----
-    def _new_buffer(self, shape: tuple):
-        """A zeroed K or V store of ``shape`` = [L, max_seqs, Hkv, max_len, D] in the cache dtype."""
-        return np.zeros(shape, dtype=self.dtype)
+    # -- storage hook: a device cache (minikv_gpu.kv_cache) overrides this, write and attend; a latent
+    #    cache (minikv.mla) stores one array for both ----
+    def _new_store(self, shape: tuple) -> tuple:
+        """The zeroed K and V stores, each of ``shape`` = [L, max_seqs, Hkv, max_len, D], in the cache dtype."""
+        return np.zeros(shape, dtype=self.dtype), np.zeros(shape, dtype=self.dtype)
 
     # -- sequences ----------------------------------------------------------------
     def add_sequence(self, seq_id) -> None:

@@ -167,7 +167,7 @@ class PagedPolicy:
 
     def admit(self, sched: "Scheduler", seq: "_Seq", free: int) -> tuple[int, int] | None:
         """Add ``seq`` to the cache if it fits in ``free`` blocks: (cached tokens, blocks consumed), or None."""
-        return sched.cache.try_add_sequence(seq.request.id, seq.tokens, free)
+        return sched.cache.blocks.admit(seq.request.id, seq.tokens, free)
 
     def account(self, sched: "Scheduler") -> None:
         """Add this step's memory picture to ``sched.stats`` (before finished sequences leave)."""
@@ -205,7 +205,7 @@ class Scheduler:
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ConfigError("cache geometry does not match the model; build it with model.new_cache_args()")
         self.preemption = check_choice("preemption", preemption, PREEMPTION_MODES)
-        if preemption == "swap" and cache.host_allocator is None:
+        if preemption == "swap" and cache.blocks.host_allocator is None:
             raise ConfigError("preemption='swap' needs a host pool: build the cache with num_host_blocks > 0")
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
         self.watermark_blocks = check_int("watermark_blocks", watermark_blocks, minimum=0)
@@ -286,7 +286,7 @@ class Scheduler:
         t0, generated = time.perf_counter(), self.stats.generated_tokens
         seqs, nums, preempted = self._fit_running()
         if not preempted:
-            free = self.cache.num_free_blocks - self._blocks_for(seqs, nums)
+            free = self.cache.blocks.num_free - self._blocks_for(seqs, nums)
             free, budget = self._swap_in(free, self._budget() - sum(nums))
             self._admit(free, budget)
         # The final plan orders decodes first, so it can hand tokens out differently from the
@@ -297,17 +297,22 @@ class Scheduler:
                 raise RuntimeError("scheduler made no progress although requests remain; this is a bug")
             return []
         done = self._forward(seqs, nums)
-        self.stats.max_concurrency = max(self.stats.max_concurrency, len(self.running))
-        self.stats.running_seq_steps += len(self.running)
-        self.stats.budget_slot_steps += self.cache.num_blocks * self.cache.block_size
-        self.policy.account(self)
+        self._record(nums, t0, generated)  # before finished sequences leave: they count in this step
         self._retire(done)
-        self.stats.steps += 1
-        self.stats.forward_tokens += sum(nums)
-        self.stats.wall_s += time.perf_counter() - t0
-        if self.progress is not None:
-            self.progress(self.stats.generated_tokens - generated)
         return [s.request.id for s in done]
+
+    def _record(self, nums: list, t0: float, generated: int) -> None:
+        """The step's statistics: concurrency, the policy's memory picture, tokens, time, progress."""
+        st = self.stats
+        st.max_concurrency = max(st.max_concurrency, len(self.running))
+        st.running_seq_steps += len(self.running)
+        st.budget_slot_steps += self.cache.num_blocks * self.cache.block_size
+        self.policy.account(self)
+        st.steps += 1
+        st.forward_tokens += sum(nums)
+        st.wall_s += time.perf_counter() - t0
+        if self.progress is not None:
+            self.progress(st.generated_tokens - generated)
 
     def _budget(self) -> float:
         return self.max_step_tokens if self.max_step_tokens is not None else float("inf")
@@ -325,13 +330,13 @@ class Scheduler:
         return seqs, nums
 
     def _blocks_for(self, seqs, nums) -> int:
-        return self.cache.blocks_needed([s.request.id for s in seqs], nums) if seqs else 0
+        return self.cache.blocks.blocks_needed([s.request.id for s in seqs], nums) if seqs else 0
 
     def _fit_running(self) -> tuple[list, list, bool]:
         """Phase 1: plan the running set; while it does not fit, preempt the newest sequence."""
         seqs, nums = self._plan()
         preempted = False
-        while self._blocks_for(seqs, nums) > self.cache.num_free_blocks:
+        while self._blocks_for(seqs, nums) > self.cache.blocks.num_free:
             self._preempt(self.running.pop())  # latest arrival: the least claim to the memory
             preempted = True
             seqs, nums = self._plan()
@@ -339,7 +344,8 @@ class Scheduler:
 
     def _preempt(self, seq: _Seq) -> None:
         sid = seq.request.id
-        if self.preemption == "swap" and self.cache.host_allocator.num_free >= self.cache.num_blocks_held(sid):
+        blocks = self.cache.blocks
+        if self.preemption == "swap" and blocks.host_allocator.num_free >= blocks.held(sid):
             self.cache.swap_out(sid)
             seq.state = "swapped"
             self.swapped.append(seq)
@@ -360,7 +366,7 @@ class Scheduler:
             # its blocks come back, plus whatever its pending tokens (a decode, or a prefill chunk) need
             n = min(s.pending, budget)
             length = cache.length(s.request.id)
-            need = cache.num_blocks_held(s.request.id) + (num_blocks_for(length + n, cache.block_size)
+            need = cache.blocks.held(s.request.id) + (num_blocks_for(length + n, cache.block_size)
                                                           - num_blocks_for(length, cache.block_size))
             if n < 1 or need + (self.watermark_blocks if self.running else 0) > free:
                 break
@@ -407,7 +413,7 @@ class Scheduler:
             else:
                 tok = int(self.sample_fn(row, s.request))
             s.tokens.append(tok)
-            self.cache.extend_token_ids(s.request.id, [tok])
+            self.cache.blocks.extend_token_ids(s.request.id, [tok])
             self.stats.generated_tokens += 1
             eos = s.request.eos_token_id
             if len(s.tokens) - s.num_prompt >= s.request.max_new_tokens or (eos is not None and tok == eos):

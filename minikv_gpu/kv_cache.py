@@ -4,7 +4,7 @@ The seam is the NumPy reference's, unchanged: a model opens a step, hands each
 layer's new (rotated) K/V to ``write`` and asks ``attend``. The bookkeeping
 (steps, sequences, lengths, rollback) is inherited from ``minikv.kv_cache``, and so
 is the constructor: the device storage comes in through its storage hook
-``_new_buffer``. Only the two data paths move to the device (``kernels/kv_cache.cu``):
+``_new_store``. Only the two data paths move to the device (``kernels/kv_cache.cu``):
 
 * ``write``  -> ``cache_write_v1``: new rows to ``[layer, slot, head, pos]``;
 * ``attend`` -> ``decode_attention_v1``: each packed token's query heads over
@@ -147,7 +147,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
 
     Sequence slots, lengths, capacity checks and step commit/rollback are the
     NumPy class's (inherited, constructor included); this class owns the device
-    storage (``_new_buffer``), ``write``, ``attend`` and the fused ``rope_write_attend``.
+    storage (``_new_store``), ``write``, ``attend`` and the fused ``rope_write_attend``.
 
     ``version`` (None, 1, 2 or 3; see the module docstring) and ``num_splits`` (``None`` =
     automatic) choose the attention kernel and how many ranges a sequence's history
@@ -165,14 +165,14 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} needs "
                               "version=2 (or None)")
-        self.rt = get_runtime(runtime)  # _new_buffer, called by the NumPy constructor, needs it
+        self.rt = get_runtime(runtime)  # _new_store, called by the NumPy constructor, needs it
         self._dev: dict | None = None  # this step's per-token slot/pos on the device
         super().__init__(num_layers, num_kv_heads, head_dim, max_seqs, max_len, dtype)
         self.defines = cache_defines(self.head_dim, self.dtype)
 
-    def _new_buffer(self, shape: tuple):
-        """The storage hook: a zeroed K or V store on the device."""
-        return self.rt.xp.zeros(shape, dtype=self.dtype)
+    def _new_store(self, shape: tuple) -> tuple:
+        """The storage hook: zeroed K and V stores on the device."""
+        return self.rt.xp.zeros(shape, dtype=self.dtype), self.rt.xp.zeros(shape, dtype=self.dtype)
 
     @classmethod
     def supported_dtypes(cls) -> tuple:

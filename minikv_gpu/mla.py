@@ -209,15 +209,14 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
                  max_len: int, dtype=np.float32, form: str = "auto", *, runtime=None,
                  num_splits: int | None = None):
         mla_defines(mla, dtype)  # fail before allocating anything
-        self.rt = get_runtime(runtime)  # _new_buffer, called by the NumPy constructor, needs it
+        self.rt = get_runtime(runtime)  # _new_store, called by the NumPy constructor, needs it
         self.num_splits, self._dev = num_splits, None
         super().__init__(num_layers, num_heads, mla, up, max_seqs, max_len, dtype, form)
         self._init_gpu()
 
-    def _new_buffer(self, shape: tuple):
-        if self.latent is None:
-            self.latent = self.rt.xp.zeros(shape, dtype=self.dtype)
-        return self.latent
+    def _new_store(self, shape: tuple) -> tuple:
+        self.latent = self.rt.xp.zeros(shape, dtype=self.dtype)
+        return self.latent, self.latent
 
     def _reserve(self, step: Step) -> None:
         super()._reserve(step)  # CacheFullError before anything changes
@@ -273,12 +272,11 @@ class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
         self._init_gpu()
 
     # -- storage hooks: the device pool, the host pool as NumPy ---------------------------------
-    def _new_pool(self, num_blocks: int, host: bool):
-        name = "host_pool" if host else "pool"
-        if getattr(self, name) is None:
-            shape = (self.num_layers, num_blocks, self.block_size, self.head_dim)
-            setattr(self, name, np.zeros(shape, dtype=self.dtype) if host else self.rt.xp.zeros(shape, self.dtype))
-        return getattr(self, name)
+    def _new_store(self, num_blocks: int, host: bool) -> tuple:
+        shape = (self.num_layers, num_blocks, self.block_size, self.head_dim)
+        pool = np.zeros(shape, dtype=self.dtype) if host else self.rt.xp.zeros(shape, self.dtype)
+        setattr(self, "host_pool" if host else "pool", pool)
+        return pool, pool
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src, dst = (self.rt.asarray(np.asarray(ids, dtype=np.int64)) for ids in zip(*pairs))

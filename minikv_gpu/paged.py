@@ -324,6 +324,10 @@ def copy_blocks(src_k, src_v, dst_k, dst_v, pairs, *, runtime=None) -> None:
 
 # --- the cache -----------------------------------------------------------------------------------
 
+def no_pending_copies() -> None:
+    """The default ``PagedKVCache.wait_for_copies``: without an asynchronous host tier no copy is in flight."""
+
+
 class PagedKVCache(_cpu.PagedKVCache):
     """``minikv.paged.cache.PagedKVCache`` with its pools on the device (see the module docstring).
 
@@ -345,10 +349,11 @@ class PagedKVCache(_cpu.PagedKVCache):
                  blocks_per_tile: int | None = None, *, runtime=None, version: int | None = None,
                  partition_size: int = PARTITION_SIZE):
         head_dim_defines(head_dim)  # fail before allocating anything
-        self.rt = get_runtime(runtime)  # _new_pool, called by the NumPy constructor, needs it
+        self.rt = get_runtime(runtime)  # _new_store, called by the NumPy constructor, needs it
         self.version = check_version(version)
         self.partition_size = _check_partition_size(partition_size)
         self._dev: dict | None = None
+        self.wait_for_copies = no_pending_copies  # an asynchronous host tier installs its fence here (minikv_gpu.tiers)
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, num_host_blocks,
                          enable_prefix_caching, hash_fn, blocks_per_tile)
         self.defines = cache_defines(self.head_dim, self.dtype)
@@ -358,14 +363,14 @@ class PagedKVCache(_cpu.PagedKVCache):
         return POOL_DTYPES
 
     # -- storage hooks of the NumPy class ----------------------------------------------------
-    def _new_pool(self, num_blocks: int, host: bool):
+    def _new_store(self, num_blocks: int, host: bool) -> tuple:
         shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return np.zeros(shape, dtype=self.dtype) if host else self.rt.xp.zeros(shape, dtype=self.dtype)
+        zeros = np.zeros if host else self.rt.xp.zeros
+        return zeros(shape, dtype=self.dtype), zeros(shape, dtype=self.dtype)
 
     def _tier_wait(self) -> None:
         """Order the next use of the pools after a host tier's pending copies (``minikv_gpu.tiers``, rule 2)."""
-        if self.blocks.tier is not None:
-            self.blocks.tier.storage.before_step()
+        self.wait_for_copies()
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._tier_wait()
@@ -437,11 +442,11 @@ class PagedKVCache(_cpu.PagedKVCache):
     # -- inspection -------------------------------------------------------------------------------
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's stored history as host arrays k, v: [length, Hkv, D] (tests and debugging only)."""
-        if self.is_swapped(seq_id):
+        if self.blocks.is_swapped(seq_id):
             return super().read_kv(seq_id, layer)  # the host pools are NumPy arrays already
         self._check_layer(layer)
         self._tier_wait()
-        slots = self.rt.asarray(slot_mapping(self.block_table(seq_id), np.arange(self.length(seq_id)),
+        slots = self.rt.asarray(slot_mapping(self.blocks.table(seq_id), np.arange(self.length(seq_id)),
                                              self.block_size))
         flat = (-1, self.num_kv_heads, self.head_dim)
         return (self.rt.asnumpy(self.k_pool[layer].reshape(flat)[slots]),

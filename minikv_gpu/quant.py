@@ -30,14 +30,14 @@ import numpy as np
 from minikv import quant as _cpu
 from minikv.errors import ConfigError
 from minikv.kv_cache import Step
-from minikv.quant.cache import QuantizedPool, dequantize_tile, quantized_paged_attention, view_tables
+from minikv.quant.cache import QuantizedStore, quantized_paged_attention
 from minikv.quant.formats import KV_DTYPES, kv_format
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu.kv_cache import v3_refusal
 from minikv_gpu.runtime import check_device_query, check_device_rows, check_version, device_f32, head_dim_defines
 
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
-           "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
+           "QuantizedStore", "kv_format", "quantized_paged_attention"]
 
 GPU_KV_DTYPES = {"int8": 0, "fp8": 1, "kivi2": 2, "int4": 3}  # kv_dtype -> QCODEC of kernels/quant.cu
 QUANT_THREADS = 128
@@ -197,14 +197,14 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
                      self.partition_size)
 
     # -- inspection (host copies; tests and debugging) ---------------------------------------------
-    def pools(self, layer: int, host: bool = False) -> tuple[QuantizedPool, QuantizedPool]:
-        """Layer ``layer``'s K and V storage as host ``QuantizedPool`` copies (device pools are copied)."""
+    def stores(self, layer: int, host: bool = False) -> tuple[QuantizedStore, QuantizedStore]:
+        """Layer ``layer``'s K and V storage as host ``QuantizedStore`` copies (device pools are copied)."""
         if host:
-            return super().pools(layer, host=True)
+            return super().stores(layer, host=True)
         self._tier_wait()
         get = self.rt.asnumpy
-        return tuple(QuantizedPool(get(getattr(self, f"{s}_pool")[layer]), get(getattr(self, f"{s}_codes")[layer]),
-                                   side) for s, side in (("k", self.format.k), ("v", self.format.v)))
+        return tuple(QuantizedStore(get(getattr(self, f"{s}_pool")[layer]), get(getattr(self, f"{s}_codes")[layer]),
+                                    side) for s, side in (("k", self.format.k), ("v", self.format.v)))
 
     def stored_block(self, layer: int, block_id: int) -> tuple[bytes, bytes]:
         """The bytes that hold device block ``block_id`` of ``layer`` now (K, V), as the NumPy class."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from minikv.errors import ConfigError
 from minikv.tiers.tier import CacheStorage
-from minikv_gpu.paged import PagedKVCache
+from minikv_gpu.paged import PagedKVCache, no_pending_copies
 
 __all__ = ["AsyncCacheStorage", "HOST_POOLS"]
 
@@ -58,9 +58,10 @@ class AsyncCacheStorage(CacheStorage):
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"AsyncCacheStorage needs a minikv_gpu.paged.PagedKVCache, got {type(cache).__name__}; "
                               "a NumPy cache takes minikv.tiers.tier.CacheStorage")
-        if cache.seq_ids() or cache.blocks.tier is not None:
+        if cache.seq_ids() or cache.wait_for_copies is not no_pending_copies:
             raise ConfigError("build AsyncCacheStorage on a fresh cache (no sequences, no tier yet)")
         super().__init__(cache)
+        cache.wait_for_copies = self.before_step  # the cache waits on this storage's copies before using its pools
         self.rt = rt = cache.rt
         self.stream = rt.stream() if stream is None else stream
         self.pools = [(d, h) for d, h in HOST_POOLS if getattr(cache, h, None) is not None]
@@ -130,7 +131,7 @@ class AsyncCacheStorage(CacheStorage):
         if getattr(self.cache, "_step_tables", None) is None:
             self._step_start = None  # compute outside a step (swap, copy-on-write): no step to run beside
             return
-        allocator = self.cache.allocator
+        allocator = self.cache.blocks.allocator
         self._cold = set(allocator.free_block_ids()) | set(allocator.cached_block_ids())
         if self._step_start is None:
             self._step_start = self.rt.event()
@@ -141,11 +142,11 @@ class AsyncCacheStorage(CacheStorage):
         self._reap()
         event = self._last.pop(host_id, None)
         if event is None or event.done:
-            self.cache.host_allocator.decref(host_id)
+            self.cache.blocks.host_allocator.decref(host_id)
             return
         self._held.append((host_id, event))
         self.deferred_releases += 1
-        if self.cache.host_allocator.num_free == 0:
+        if self.cache.blocks.host_allocator.num_free == 0:
             self.forced_waits += 1
             self._held[0][1].synchronize()
             self._reap()
@@ -155,7 +156,7 @@ class AsyncCacheStorage(CacheStorage):
         still = []
         for host_id, event in self._held:
             if event.done:
-                self.cache.host_allocator.decref(host_id)
+                self.cache.blocks.host_allocator.decref(host_id)
             else:
                 still.append((host_id, event))
         self._held = still

@@ -229,7 +229,7 @@ def test_seed_paged_memory_grows_with_the_sequence():
     for chunk in (1, 15, 1, 83, 200):
         m.forward([np.arange(chunk) % m.config.vocab_size], cache)
         n += chunk
-        held.append((n, cache.num_blocks_held(0)))
+        held.append((n, cache.blocks.held(0)))
     assert held == [(1, 1), (16, 1), (17, 2), (100, 7), (300, 19)]
 
 
@@ -257,7 +257,7 @@ def test_seed_paged_cache_shares_full_prefix_blocks():
     hit = cache.add_sequence("b", b)
     m.forward([b[hit:]], cache, ["b"])
     assert hit == 32
-    assert list(cache.block_table("a")) == [0, 1, 2] and list(cache.block_table("b")) == [0, 1, 3]
+    assert list(cache.blocks.table("a")) == [0, 1, 2] and list(cache.blocks.table("b")) == [0, 1, 3]
     short = cache.add_sequence("c", a[:10] + [5])  # a shared prefix shorter than one block shares nothing
     assert short == 0
 
@@ -442,12 +442,12 @@ def test_seed_paging_is_not_offloading():
     cache.add_sequence(0)
     m.forward([np.arange(20)], cache)                        # 20 tokens: 2 device blocks
     cache.swap_out(0)                                        # offloading: all its blocks go to the host
-    assert cache.is_swapped(0) and cache.num_free_blocks == 8
+    assert cache.blocks.is_swapped(0) and cache.blocks.num_free == 8
     with pytest.raises(InvalidInputError, match="swapped out"):
         m.forward([[3]], cache)                              # no page fault brings one block back
     cache.swap_in(0)                                         # the whole sequence comes back first
     m.forward([[3]], cache)
-    assert cache.length(0) == 21 and cache.num_blocks_held(0) == 2
+    assert cache.length(0) == 21 and cache.blocks.held(0) == 2
 
 
 def test_seed_smaller_cache_means_larger_batch():
@@ -545,4 +545,4 @@ def test_seed_three_kinds_of_waste_mapped():
     assert slab.bytes_used() == written * 2 * 4
     reserved, never_used = final - written, slots - final
     assert (slots, reserved, never_used) == (2048, 3, 2040)
-    assert paged.num_blocks_held(0) * 16 - final == 8                   # paged: only the last block's tail
+    assert paged.blocks.held(0) * 16 - final == 8                   # paged: only the last block's tail

@@ -112,14 +112,14 @@ def test_fork_then_copy_on_write_copies_exactly_one_block():
     model.forward([ids], cache, ["a"])
     before = cache.read_latent("a", 1).copy()
     cache.fork("a", "b")
-    free = cache.num_free_blocks
+    free = cache.blocks.num_free
     lb = model.forward([[17]], cache, ["b"])
-    assert cache.cow_copies == 1 and cache.num_free_blocks == free - 1
-    table_a, table_b = cache.block_table("a").tolist(), cache.block_table("b").tolist()
+    assert cache.blocks.cow_copies == 1 and cache.blocks.num_free == free - 1
+    table_a, table_b = cache.blocks.table("a").tolist(), cache.blocks.table("b").tolist()
     assert table_a[:2] == table_b[:2] and table_a[2] != table_b[2]
     np.testing.assert_array_equal(cache.read_latent("a", 1), before)  # the parent's latents are untouched
     la = model.forward([[42]], cache, ["a"])
-    assert cache.cow_copies == 1
+    assert cache.blocks.cow_copies == 1
     assert_close(lb[0], model.logits(ids + [17])[-1], np.float64, what="child")
     assert_close(la[0], model.logits(ids + [42])[-1], np.float64, what="parent")
 
@@ -223,7 +223,7 @@ def test_misuse_raises_typed_errors():
         with pytest.raises(error, match=match):
             with cache.step([0], [2]):
                 misuse()
-        assert cache.length(0) == 0 and cache.num_free_blocks == cache.num_blocks  # the step rolled back
+        assert cache.length(0) == 0 and cache.blocks.num_free == cache.num_blocks  # the step rolled back
     with pytest.raises(ConfigError, match="MLAConfig"):
         LatentContiguousKVCache(2, 3, None, [], max_seqs=1, max_len=4)
     with pytest.raises(ShapeError, match="LatentUp"):

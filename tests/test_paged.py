@@ -37,12 +37,12 @@ def paged_for(model, num_blocks=64, block_size=4, nan=True, **kw):
 
 def snapshot(cache):
     """Everything a failed or aborted operation must leave untouched."""
-    a = cache.allocator
-    seqs = {s: (cache.length(s), cache.block_table(s).tolist(),
-                None if cache.host_block_table(s) is None else cache.host_block_table(s).tolist())
+    a = cache.blocks.allocator
+    seqs = {s: (cache.length(s), cache.blocks.table(s).tolist(),
+                None if cache.blocks.host_table(s) is None else cache.blocks.host_table(s).tolist())
             for s in cache.seq_ids()}
     return (seqs, a.free_block_ids(), a.cached_block_ids(), [a.ref_count(b) for b in range(a.num_blocks)],
-            None if cache.host_allocator is None else cache.host_allocator.free_block_ids())
+            None if cache.blocks.host_allocator is None else cache.blocks.host_allocator.free_block_ids())
 
 
 # --- exactness ------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_paged_equals_contiguous_and_uncached(shape, layout, dtype, block_size, 
     assert rel_err(runs["paged"], runs["contiguous"]) <= EXACT_RTOL[dtype]
     assert np.array_equal(runs["paged"].argmax(-1), reference.argmax(-1))
     assert paged.length("s") == total
-    assert len(paged.block_table("s")) == -(-total // block_size)
+    assert len(paged.blocks.table("s")) == -(-total // block_size)
 
 
 @pytest.mark.parametrize("blocks_per_tile", [1, 2, 3, None])
@@ -165,19 +165,19 @@ def test_fork_then_write_copies_exactly_one_block():
     cache.add_sequence("a")
     model.forward([ids], cache, ["a"])
     cache.fork("a", "b")
-    table_a = cache.block_table("a").tolist()
-    assert cache.block_table("b").tolist() == table_a
-    assert all(cache.allocator.ref_count(b) == 2 for b in table_a)
-    free = cache.num_free_blocks
+    table_a = cache.blocks.table("a").tolist()
+    assert cache.blocks.table("b").tolist() == table_a
+    assert all(cache.blocks.allocator.ref_count(b) == 2 for b in table_a)
+    free = cache.blocks.num_free
     tok_b, tok_a = 17, 42  # the two branches diverge
     lb = model.forward([[tok_b]], cache, ["b"])
-    assert cache.cow_copies == 1
-    assert cache.num_free_blocks == free - 1  # exactly one block copied, no other allocation
-    table_b = cache.block_table("b").tolist()
+    assert cache.blocks.cow_copies == 1
+    assert cache.blocks.num_free == free - 1  # exactly one block copied, no other allocation
+    table_b = cache.blocks.table("b").tolist()
     assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
-    assert cache.block_table("a").tolist() == table_a
+    assert cache.blocks.table("a").tolist() == table_a
     la = model.forward([[tok_a]], cache, ["a"])  # a's last block is no longer shared: written in place
-    assert cache.cow_copies == 1 and cache.num_free_blocks == free - 1
+    assert cache.blocks.cow_copies == 1 and cache.blocks.num_free == free - 1
     assert rel_err(lb[0], model.logits(np.append(ids, tok_b))[-1]) <= 1e-10
     assert rel_err(la[0], model.logits(np.append(ids, tok_a))[-1]) <= 1e-10
 
@@ -189,8 +189,8 @@ def test_fork_at_a_block_boundary_copies_nothing():
     model.forward([np.arange(8)], cache, ["a"])
     cache.fork("a", "b")
     model.forward([[1], [2]], cache, ["a", "b"])
-    assert cache.cow_copies == 0
-    assert cache.block_table("a")[:2].tolist() == cache.block_table("b")[:2].tolist()
+    assert cache.blocks.cow_copies == 0
+    assert cache.blocks.table("a")[:2].tolist() == cache.blocks.table("b")[:2].tolist()
 
 
 def test_two_forks_writing_in_the_same_step():
@@ -202,10 +202,10 @@ def test_two_forks_writing_in_the_same_step():
     model.forward([ids], cache, [0])
     cache.fork(0, 1)
     cache.fork(0, 2)
-    assert cache.blocks_needed([0, 1, 2], [1, 1, 1]) == 2
+    assert cache.blocks.blocks_needed([0, 1, 2], [1, 1, 1]) == 2
     out = model.forward([[5], [6], [7]], cache, [0, 1, 2])
-    assert cache.cow_copies == 2
-    assert len({cache.block_table(s)[1] for s in range(3)}) == 3
+    assert cache.blocks.cow_copies == 2
+    assert len({cache.blocks.table(s)[1] for s in range(3)}) == 3
     for i, t in enumerate((5, 6, 7)):
         assert rel_err(out[i], model.logits(np.append(ids, t))[-1]) <= 1e-10
 
@@ -217,7 +217,7 @@ def run_prompt(model, cache, sid, prompt, decode=()):
     cached = cache.add_sequence(sid, prompt_ids=prompt)
     out = [model.forward([prompt[cached:]], cache, [sid], all_logits=True)]
     for t in decode:
-        cache.extend_token_ids(sid, [t])
+        cache.blocks.extend_token_ids(sid, [t])
         out.append(model.forward([[t]], cache, [sid]))
     return cached, np.concatenate(out)
 
@@ -234,12 +234,12 @@ def test_prefix_hit_gives_the_same_logits_as_no_sharing(dtype):
     decode = [3, 1, 4, 1, 5]
     cached, got = run_prompt(model, cache, "b", b, decode)
     assert cached == 12  # the three full blocks of the shared system prompt
-    shared = set(cache.block_table("a")[:3].tolist())
-    assert set(cache.block_table("b")[:3].tolist()) == shared
+    shared = set(cache.blocks.table("a")[:3].tolist())
+    assert set(cache.blocks.table("b")[:3].tolist()) == shared
     ref = model.logits(b + decode)[cached:]
     assert rel_err(got, ref) <= EXACT_RTOL[dtype]
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
-    assert cache.prefix_hit_tokens == 12 and cache.prefix_query_tokens == len(a) + len(b)
+    assert cache.blocks.prefix_hit_tokens == 12 and cache.blocks.prefix_query_tokens == len(a) + len(b)
 
 
 @pytest.mark.parametrize("free_first", [False, True])
@@ -251,13 +251,13 @@ def test_fully_cached_prompt_that_fills_whole_blocks(free_first):
     run_prompt(model, cache, "a", prompt, decode=[7])
     if free_first:  # the blocks then live only in the LRU list and must be revived
         cache.free_sequence("a")
-        assert len(cache.allocator.cached_block_ids()) == 3
-    cost = cache.admission_cost(prompt)
-    assert cost == (3 if free_first else 1)  # revived blocks count, blocks in use by "a" do not
-    free = cache.num_free_blocks
+        assert len(cache.blocks.allocator.cached_block_ids()) == 3
+    cost = 3 if free_first else 1  # revived blocks count, blocks in use by "a" do not
+    assert cache.blocks.can_admit(prompt, cost) and not cache.blocks.can_admit(prompt, cost - 1)
+    free = cache.blocks.num_free
     cached, got = run_prompt(model, cache, "b", prompt)
     assert cached == 8  # not 12: at least one token must run to produce the next token's logits
-    assert cache.num_free_blocks == free - cost
+    assert cache.blocks.num_free == free - cost
     assert rel_err(got, model.logits(prompt)[8:]) <= 1e-10
 
 
@@ -295,17 +295,17 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():
     cache = paged_for(model, num_blocks=6, block_size=2)
     a = [1, 2, 3, 4, 5, 6]  # 3 full blocks
     run_prompt(model, cache, "a", a + [7])
-    table = cache.block_table("a").tolist()
+    table = cache.blocks.table("a").tolist()
     cache.free_sequence("a")
     # freed last block first: the unregistered partial block is plain free, the chain is cached tail first
-    assert cache.allocator.cached_block_ids() == [table[2], table[1], table[0]]
-    assert cache.num_free_blocks == 6
+    assert cache.blocks.allocator.cached_block_ids() == [table[2], table[1], table[0]]
+    assert cache.blocks.num_free == 6
     cache.add_sequence("x")  # a stranger needs 4 blocks: 3 plain free, then evicts the chain's tail
     model.forward([np.arange(8) + 50], cache, ["x"])
-    assert cache.allocator.cached_block_ids() == [table[1], table[0]]
+    assert cache.blocks.allocator.cached_block_ids() == [table[1], table[0]]
     cache.free_sequence("x")  # no token ids: its blocks go back plain, not cached
     cached, got = run_prompt(model, cache, "b", a[:4] + [9])  # the chain's head is still there
-    assert cached == 4 and cache.block_table("b")[:2].tolist() == table[:2]
+    assert cached == 4 and cache.blocks.table("b")[:2].tolist() == table[:2]
     assert rel_err(got, model.logits(a[:4] + [9])[4:]) <= 1e-10
 
 
@@ -314,14 +314,14 @@ def test_freed_blocks_are_reused():
     cache = paged_for(model, num_blocks=4, block_size=3)
     cache.add_sequence(0)
     model.forward([np.arange(12)], cache, [0])  # the whole pool
-    assert cache.num_free_blocks == 0
+    assert cache.blocks.num_free == 0
     with pytest.raises(OutOfBlocksError):
         cache.add_sequence(1)
         model.forward([[1]], cache, [1])
-    used = set(cache.block_table(0).tolist())
+    used = set(cache.blocks.table(0).tolist())
     cache.free_sequence(0)
     model.forward([np.arange(12)], cache, [1])
-    assert set(cache.block_table(1).tolist()) == used
+    assert set(cache.blocks.table(1).tolist()) == used
     assert cache.memory_stats()["utilization"] == 1.0
 
 
@@ -342,7 +342,7 @@ def test_failed_append_leaves_everything_unchanged():
         model.forward([np.arange(7), [1]], cache, ["a", "c"])
     assert snapshot(cache) == before
     assert np.array_equal(cache.k_pool, k_before, equal_nan=True)
-    assert cache.cow_copies == 0
+    assert cache.blocks.cow_copies == 0
 
 
 def test_error_inside_a_step_rolls_back_reservation_and_copy():
@@ -354,10 +354,10 @@ def test_error_inside_a_step_rolls_back_reservation_and_copy():
     before = snapshot(cache)
     with pytest.raises(RuntimeError, match="boom"):
         with cache.step(["a", "b"], [5, 1]):  # copy-on-write for a, then new blocks
-            assert cache.cow_copies == 1
+            assert cache.blocks.cow_copies == 1
             raise RuntimeError("boom")
     assert snapshot(cache) == before  # tables, ref counts, free-list order
-    assert cache.cow_copies == 0
+    assert cache.blocks.cow_copies == 0
     out = model.forward([[9]], cache, ["b"])  # and the cache still works
     assert rel_err(out[0], model.logits(np.append(np.arange(6), 9))[-1]) <= 1e-10
 
@@ -372,14 +372,14 @@ def test_swap_out_and_in_preserves_contents_and_logits():
     model.forward([ids[:11]], cache, ["s"])
     kv = [cache.read_kv("s", layer) for layer in range(cache.num_layers)]
     cache.swap_out("s")
-    assert cache.is_swapped("s") and cache.num_free_blocks == 6 and cache.host_allocator.num_free == 1
+    assert cache.blocks.is_swapped("s") and cache.blocks.num_free == 6 and cache.blocks.host_allocator.num_free == 1
     with pytest.raises(InvalidInputError, match="swap_in"):
         model.forward([ids[11:12]], cache, ["s"])
     cache.add_sequence("other")  # scribble over the device pool meanwhile
     model.forward([np.arange(24) % 101], cache, ["other"])
     cache.free_sequence("other")
     cache.swap_in("s")
-    assert not cache.is_swapped("s") and cache.host_allocator.num_free == 4
+    assert not cache.blocks.is_swapped("s") and cache.blocks.host_allocator.num_free == 4
     for layer, (k, v) in enumerate(kv):
         k2, v2 = cache.read_kv("s", layer)
         assert np.array_equal(k, k2) and np.array_equal(v, v2)
@@ -426,7 +426,7 @@ def test_bad_input_raises_typed_errors():
     with pytest.raises(InvalidInputError):
         cache.add_sequence("a")
     for call in (lambda: cache.length("zz"), lambda: cache.free_sequence("zz"), lambda: cache.fork("zz", "y"),
-                 lambda: cache.swap_out("zz"), lambda: cache.block_table("zz"), lambda: cache.step(["zz"], [1])
+                 lambda: cache.swap_out("zz"), lambda: cache.blocks.table("zz"), lambda: cache.step(["zz"], [1])
                  .__enter__()):
         with pytest.raises(UnknownSequenceError, match="zz"):
             call()
@@ -492,7 +492,7 @@ class Harness:
         return self.next_id
 
     def resident(self):
-        return [s for s in self.tokens if not self.cache.is_swapped(s)]
+        return [s for s in self.tokens if not self.cache.blocks.is_swapped(s)]
 
     # the operations ---------------------------------------------------------------------------------------
     def op_add(self):
@@ -516,7 +516,7 @@ class Harness:
             if todo == 0:  # decode: a new token joins the sequence
                 tok = int(self.rng.integers(VOCAB))
                 self.tokens[s].append(tok)
-                self.cache.extend_token_ids(s, [tok])
+                self.cache.blocks.extend_token_ids(s, [tok])
                 todo = 1
             nums.append(int(self.rng.integers(1, todo + 1)))
         before = snapshot(self.cache)
@@ -571,7 +571,7 @@ class Harness:
 
     def op_swap_out(self):
         res = self.resident()
-        if res and self.cache.host_allocator is not None:
+        if res and self.cache.blocks.host_allocator is not None:
             before = snapshot(self.cache)
             try:
                 self.cache.swap_out(res[int(self.rng.integers(len(res)))])
@@ -580,7 +580,7 @@ class Harness:
                 self.failures += 1
 
     def op_swap_in(self):
-        out = [s for s in self.tokens if self.cache.is_swapped(s)]
+        out = [s for s in self.tokens if self.cache.blocks.is_swapped(s)]
         if out:
             before = snapshot(self.cache)
             try:
@@ -602,19 +602,19 @@ class Harness:
 
     # the invariants -----------------------------------------------------------------------------------------
     def check(self):
-        c, a = self.cache, self.cache.allocator
+        c, a = self.cache, self.cache.blocks.allocator
         a.check()
         owners = np.zeros(a.num_blocks, int)
         host_owners = np.zeros(max(c.num_host_blocks, 1), int)
         for s, toks in self.tokens.items():
             n = c.length(s)
             assert n <= len(toks)
-            if c.is_swapped(s):
-                host = c.host_block_table(s)
-                assert len(host) == -(-n // self.bs) and len(c.block_table(s)) == 0
+            if c.blocks.is_swapped(s):
+                host = c.blocks.host_table(s)
+                assert len(host) == -(-n // self.bs) and len(c.blocks.table(s)) == 0
                 np.add.at(host_owners, host, 1)
             else:
-                table = c.block_table(s)
+                table = c.blocks.table(s)
                 assert len(table) == -(-n // self.bs)
                 np.add.at(owners, table, 1)
             k_exp, v_exp = kv_values(toks[:n], self.layers, self.heads, self.dim)
@@ -624,8 +624,8 @@ class Harness:
                 assert np.array_equal(v, v_exp[layer].reshape(n, self.heads, self.dim))
         assert [a.ref_count(b) for b in range(a.num_blocks)] == owners.tolist()  # ref counts == owners
         assert a.num_free == int(np.sum(owners == 0))
-        if c.host_allocator is not None:
-            h = c.host_allocator
+        if c.blocks.host_allocator is not None:
+            h = c.blocks.host_allocator
             h.check()
             assert [h.ref_count(b) for b in range(h.num_blocks)] == host_owners.tolist()
 
@@ -634,11 +634,11 @@ class Harness:
             self.cache.free_sequence(s)
         self.tokens.clear()
         self.check()
-        a = self.cache.allocator
+        a = self.cache.blocks.allocator
         assert a.num_free == a.num_blocks  # nothing leaked
         assert all(a.ref_count(b) == 0 for b in range(a.num_blocks))
-        if self.cache.host_allocator is not None:
-            assert self.cache.host_allocator.num_free == self.cache.num_host_blocks
+        if self.cache.blocks.host_allocator is not None:
+            assert self.cache.blocks.host_allocator.num_free == self.cache.num_host_blocks
 
 
 OPS_PER_EXAMPLE, EXAMPLES = 500, 20
@@ -681,7 +681,7 @@ def test_smollm2_paged_equals_contiguous_and_uncached(smollm2):
     for _ in range(5):  # greedy, fed from the paged run
         nxt = int(np.argmax(p_rows[-1]))
         seq.append(nxt)
-        paged.extend_token_ids(0, [nxt])
+        paged.blocks.extend_token_ids(0, [nxt])
         c_rows.append(model.forward([[nxt]], contiguous)[0])
         p_rows.append(model.forward([[nxt]], paged)[0])
     reference = model.logits(seq)[len(ids) - 1:]

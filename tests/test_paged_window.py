@@ -13,10 +13,17 @@ from hypothesis import strategies as st
 from minikv.bench.equivalence import assert_close
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError
 from minikv.paged import PagedKVCache, num_blocks_for
-from minikv.paged.manager import HOLE
 from minikv.scheduler import Request, Scheduler
 from minikv.weights.random_models import random_model
-from minikv.window import EvictingKVCache, H2OPolicy, MaskedRecompute, PagedEvictingKVCache, SnapKVPolicy, WindowPolicy
+from minikv.window import (
+    HOLE,
+    EvictingKVCache,
+    H2OPolicy,
+    MaskedRecompute,
+    PagedEvictingKVCache,
+    SnapKVPolicy,
+    WindowPolicy,
+)
 
 MODEL = random_model(dtype=np.float64, seed=1)
 ROPE = (MODEL.cos, MODEL.sin, MODEL.config.rope_layout)
@@ -72,7 +79,7 @@ def test_equals_contiguous_and_masked_recompute(name, multi, block_size):
         for a, b in zip(cache.kept_positions(0, layer), contiguous.kept_positions(0, layer)):
             assert np.array_equal(a, b)
     assert cache.bytes_used() == contiguous.bytes_used()  # one sequence: the same kept (layer, head, token)s
-    cache.allocator.check()
+    cache.blocks.allocator.check()
 
 
 def test_a_batched_step_equals_each_sequence_alone():
@@ -98,15 +105,15 @@ def test_window_blocks_return_to_the_allocator():
     free, in_use = [], []
 
     def check():
-        free.append(cache.num_free_blocks)
+        free.append(cache.blocks.num_free)
         in_use.append(cache.memory_stats()["blocks_in_use"])
-        cache.allocator.check()
+        cache.blocks.allocator.check()
 
     feed(cache, np.tile(IDS, 3), 1, check)
     # 8 keys span at most 3 blocks of 4, and the step's new token may open a fourth
     assert max(in_use) <= 3 and in_use[-1] <= 3
     assert any(f2 > f1 for f1, f2 in zip(free, free[1:])), "no block ever came back"
-    table = cache.block_table(0)
+    table = cache.blocks.table(0)
     assert (table == HOLE).sum() == len(table) - in_use[-1]
     assert cache.memory_stats()["slots_used"] == 8 - 1  # the window minus the next token's own slot
     with pytest.raises(InvalidInputError, match="gave blocks back"):
@@ -131,16 +138,16 @@ def test_swap_out_and_in_keeps_the_holes_and_the_logits():
     got = [MODEL.forward([IDS[:3]], cache, all_logits=True)]
     for t in range(3, IDS.size):
         if t in (12, 20):
-            holes = cache.block_table(0) == HOLE
+            holes = cache.blocks.table(0) == HOLE
             assert holes.any()
             cache.swap_out(0)
-            assert cache.num_free_blocks == cache.num_blocks
-            assert np.array_equal(cache.host_block_table(0) == HOLE, holes)
+            assert cache.blocks.num_free == cache.num_blocks
+            assert np.array_equal(cache.blocks.host_table(0) == HOLE, holes)
             cache.swap_in(0)
-            assert np.array_equal(cache.block_table(0) == HOLE, holes)
+            assert np.array_equal(cache.blocks.table(0) == HOLE, holes)
         got.append(MODEL.forward([IDS[t:t + 1]], cache))
     assert_close(np.concatenate(got), want, np.float64)
-    cache.allocator.check()
+    cache.blocks.allocator.check()
 
 
 def test_fork_shares_blocks_and_eviction_drops_only_its_own_reference():
@@ -148,11 +155,11 @@ def test_fork_shares_blocks_and_eviction_drops_only_its_own_reference():
     cache.add_sequence("p")
     MODEL.forward([IDS[:9]], cache, seq_ids=["p"])
     cache.fork("p", "c")
-    shared = [b for b in cache.block_table("p") if b != HOLE]
-    assert all(cache.allocator.ref_count(b) == 2 for b in shared)
+    shared = [b for b in cache.blocks.table("p") if b != HOLE]
+    assert all(cache.blocks.allocator.ref_count(b) == 2 for b in shared)
     for t in range(9, 16):  # the child alone slides on: its old blocks lose one reference each
         MODEL.forward([IDS[t:t + 1]], cache, seq_ids=["c"])
-    assert all(cache.allocator.ref_count(b) == 1 for b in shared if b not in cache.block_table("c"))
+    assert all(cache.blocks.allocator.ref_count(b) == 1 for b in shared if b not in cache.blocks.table("c"))
     parent = MODEL.forward([IDS[9:12]], cache, seq_ids=["p"], all_logits=True)
     alone = paged(WindowPolicy(6), 2)
     want = feed(alone, IDS[:12], 9)
@@ -183,7 +190,7 @@ def test_the_scheduler_admits_a_request_longer_than_the_pool_under_a_window():
     window = paged(WindowPolicy(8, 1), 4, num_blocks=6)                    # 6 blocks = 24 slots
     assert window.peak_blocks(6, 6 + 40 - 1) == 5 < num_blocks_for(45, 4)  # sinks 1 + span 2 + 1 + the open one
     out = Scheduler(MODEL, window).run([Request("long", prompt, 40)])["long"]
-    assert len(out) == 40 and window.num_free_blocks == 6
+    assert len(out) == 40 and window.blocks.num_free == 6
     alone = paged(WindowPolicy(8, 1), 4, num_blocks=20)
     assert out == Scheduler(MODEL, alone).run([Request("long", prompt, 40)])["long"]
     full = PagedKVCache(**MODEL.new_cache_args(), num_blocks=6, block_size=4, dtype=np.float64)
@@ -204,7 +211,7 @@ def test_a_prefix_hit_gives_the_same_logits_and_stops_at_the_first_eviction(posi
     cache.add_sequence("c", IDS[:5])
     MODEL.forward([IDS[:5]], cache, seq_ids=["c"])  # no eviction: its 2 full blocks are shared
     for t in range(5, 14):
-        cache.extend_token_ids("c", IDS[t:t + 1])
+        cache.blocks.extend_token_ids("c", IDS[t:t + 1])
         MODEL.forward([IDS[t:t + 1]], cache, seq_ids=["c"])
     # c first evicted when it fed token 7 (8 = W tokens): blocks full before that step are shared
     assert cache.blocks.state("c").num_registered == 7 // 2
@@ -220,8 +227,8 @@ def test_a_prefix_hit_gives_the_same_logits_and_stops_at_the_first_eviction(posi
 def test_score_based_policies_refuse_prefix_caching(policy):
     with pytest.raises(ConfigError, match="scores"):
         paged(policy, 4, enable_prefix_caching=True)
-    assert not paged(policy, 4).enable_prefix_caching  # off by default for them
-    assert paged(WindowPolicy(8), 4).enable_prefix_caching
+    assert not paged(policy, 4).blocks.allocator.enable_prefix_caching  # off by default for them
+    assert paged(WindowPolicy(8), 4).blocks.allocator.enable_prefix_caching
 
 
 def test_typed_config_errors():
@@ -252,9 +259,9 @@ FULL_K = [_full_kv(b) for b in BASES]
 
 
 def _check_invariants(cache) -> None:
-    alloc, bs = cache.allocator, cache.block_size
+    alloc, bs = cache.blocks.allocator, cache.block_size
     alloc.check()
-    held = Counter(b for sid in cache.seq_ids() for b in cache.block_table(sid).tolist() if b != HOLE)
+    held = Counter(b for sid in cache.seq_ids() for b in cache.blocks.table(sid).tolist() if b != HOLE)
     assert all(alloc.ref_count(b) == held.get(b, 0) for b in range(alloc.num_blocks)), "ref counts drifted"
     # What a prefix hit can hand out is exact: every block that matching a base text reaches holds the
     # K of a never-evicting run over that text (so no K/V computed under eviction entered the cache).
@@ -265,8 +272,8 @@ def _check_invariants(cache) -> None:
                     f"prefix block {bid} (chain index {j}) holds K that a full run would not compute"
     # and the bookkeeping form: a sequence registers nothing from the block of its first evicting step on
     for sid in cache.seq_ids():
-        s = cache.blocks.state(sid)
-        assert s.share_limit is None or s.num_registered <= s.share_limit
+        limit = cache.blocks.share_limit.get(sid)
+        assert limit is None or cache.blocks.state(sid).num_registered <= limit
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["new", "step", "step", "fork", "free"]), st.integers(0, 99)),
@@ -296,7 +303,7 @@ def test_random_steps_forks_and_frees_keep_the_cache_exact(ops, block_size):
                 continue
             toks = [BASES[live[s][0]][live[s][2]:live[s][2] + 1] for s in sids]
             for s, t in zip(sids, toks):
-                cache.extend_token_ids(s, t)
+                cache.blocks.extend_token_ids(s, t)
                 live[s][2] += 1
             assert_close(MODEL.forward(toks, cache, seq_ids=sids), MODEL.forward(toks, shadow, seq_ids=sids),
                          np.float64, what="a batched decode step")

@@ -81,9 +81,9 @@ def test_stored_bytes_never_change_and_each_block_is_quantized_once(kv):
     seen = {}  # (layer, block) -> bytes when it became full
     for t in IDS[13:]:
         n_before = cache.length(0)
-        open_rows = [(cache.k_pool[:, b].copy(), b) for b in cache.block_table(0)[n_before // BS:]]
+        open_rows = [(cache.k_pool[:, b].copy(), b) for b in cache.blocks.table(0)[n_before // BS:]]
         M64.forward([[t]], cache)
-        n, table = cache.length(0), cache.block_table(0)
+        n, table = cache.length(0), cache.blocks.table(0)
         for j, b in enumerate(table):
             full = (j + 1) * BS <= n
             assert bool(cache.quantized[b]) == full and cache.quantize_count[b] == int(full)
@@ -197,7 +197,7 @@ def test_prefix_hit_on_quantized_blocks_gives_the_same_logits_as_no_sharing(kv):
     M64.forward([a], shared, ["a"])
     shared.free_sequence("a")
     cached = shared.add_sequence("b", b)
-    assert cached == 16 and all(shared.quantized[shared.block_table("b")[:2]])
+    assert cached == 16 and all(shared.quantized[shared.blocks.table("b")[:2]])
     got = M64.forward([b[cached:]], shared, ["b"], all_logits=True)
     alone = qcache(M64, kv, enable_prefix_caching=False)
     alone.add_sequence("b")
@@ -212,11 +212,11 @@ def test_fork_copies_the_residual_block_once_and_both_branches_stay_exact(kv):
     cache.add_sequence("a")
     M64.forward([IDS[:13]], cache, ["a"])  # a full quantized block + 5 residual tokens
     cache.fork("a", "b")
-    before = [cache.stored_block(layer, cache.block_table("a")[0]) for layer in range(2)]
+    before = [cache.stored_block(layer, cache.blocks.table("a")[0]) for layer in range(2)]
     out_b = M64.forward([[IDS[30]]], cache, ["b"])[0]
-    assert cache.cow_copies == 1 and cache.block_table("a")[0] == cache.block_table("b")[0]
+    assert cache.blocks.cow_copies == 1 and cache.blocks.table("a")[0] == cache.blocks.table("b")[0]
     out_a = M64.forward([[IDS[13]]], cache, ["a"])[0]
-    assert [cache.stored_block(layer, cache.block_table("a")[0]) for layer in range(2)] == before
+    assert [cache.stored_block(layer, cache.blocks.table("a")[0]) for layer in range(2)] == before
     ref_b = token_by_token(M64, qcache(M64, kv), IDS[:13] + [IDS[30]])[-1]
     ref_a = token_by_token(M64, qcache(M64, kv), IDS[:14])[-1]
     assert rel_err(out_b, ref_b) <= 1e-10 and rel_err(out_a, ref_a) <= 1e-10
@@ -260,7 +260,7 @@ def test_attention_equals_dequantize_everything_then_exact_attention(kv):
         assert got.dtype == np.float32
         assert_close(got, want.transpose(1, 0, 2), rtol=KERNEL_RTOL, what=f"{kv} step {t}")
     dk, _ = dequantized_pools(cache, 0)
-    assert np.array_equal(dk[cache.block_table(0)[:5]].reshape(-1, 2, 32), cache.read_kv(0, 0)[0])
+    assert np.array_equal(dk[cache.blocks.table(0)[:5]].reshape(-1, 2, 32), cache.read_kv(0, 0)[0])
 
 
 # Worst relative error per value, as a fraction of its group's largest |x| (the codec's step / 2; q4_0:
@@ -315,14 +315,14 @@ def test_a_rolled_back_step_that_would_fill_blocks_leaves_no_trace(kv):
     cache = qcache(M64, kv)
     cache.add_sequence(0)
     M64.forward([IDS[:13]], cache)
-    table = cache.block_table(0).tolist()
+    table = cache.blocks.table(0).tolist()
     before = ([cache.stored_block(layer, table[0]) for layer in range(2)], cache.quantized.copy(),
               cache.quantize_count.copy(), cache.k_pool[:, table[1], :5].copy(), cache.v_pool[:, table[1], :5].copy())
     with pytest.raises(Boom), cache.step([0], [12]):  # would fill block 1 and block 2
         for layer in range(2):
             cache.write(layer, np.ones((12, 2, 32)), np.ones((12, 2, 32)))
         raise Boom
-    assert cache.length(0) == 13 and cache.block_table(0).tolist() == table
+    assert cache.length(0) == 13 and cache.blocks.table(0).tolist() == table
     assert [cache.stored_block(layer, table[0]) for layer in range(2)] == before[0]  # the quantized block
     assert np.array_equal(cache.quantized, before[1]) and np.array_equal(cache.quantize_count, before[2])
     # the residual rows of the 5 tokens held (the step's writes past them are stale slots, as in step 3)

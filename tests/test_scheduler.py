@@ -68,7 +68,7 @@ def test_preemption_under_pressure_changes_no_output(preemption, num_blocks):
         assert s.stats.preemptions_swap > 0 and s.stats.swap_ins == s.stats.preemptions_swap
     else:
         assert s.stats.preemptions_swap == 0
-    assert s.cache.num_free_blocks == num_blocks  # every block came back
+    assert s.cache.blocks.num_free == num_blocks  # every block came back
     assert s.stats.finished == len(REQUESTS) and not s.has_work()
 
 
@@ -76,7 +76,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     s = scheduler(7, "swap", host=2)
     assert s.run(REQUESTS) == UNLIMITED
     assert s.stats.preemptions_recompute > 0
-    assert s.cache.host_allocator.num_free == 2
+    assert s.cache.blocks.host_allocator.num_free == 2
 
 
 class Spy:
@@ -171,8 +171,8 @@ def test_any_pressure_any_policy_same_tokens(seed, num_blocks, preemption, max_s
                   max_num_seqs=max_num_seqs)
     got = s.run(reqs)
     assert got == {r.id: greedy_alone(r) for r in reqs}
-    assert s.cache.num_free_blocks == num_blocks and s.cache.seq_ids() == []
-    s.cache.allocator.check()
+    assert s.cache.blocks.num_free == num_blocks and s.cache.seq_ids() == []
+    s.cache.blocks.allocator.check()
 
 
 def test_bad_requests_and_settings_raise_typed_errors():

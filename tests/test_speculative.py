@@ -165,7 +165,7 @@ def test_verify_keeps_the_accepted_prefix_and_rolls_back_the_rest(gqa, kind, acc
     nxt = want[1 + accept:6 + accept]  # the next step reads and writes the same
     assert_close(gqa.forward([nxt], spec, all_logits=True), gqa.forward([nxt], ref, all_logits=True), np.float64)
     if isinstance(spec, QuantizedPagedKVCache):
-        assert np.array_equal(spec.quantized[spec.block_table(0)], ref.quantized[ref.block_table(0)])
+        assert np.array_equal(spec.quantized[spec.blocks.table(0)], ref.quantized[ref.blocks.table(0)])
 
 
 # --- the caches: truncate then re-write == never written ---------------------------------------------------
@@ -199,8 +199,8 @@ def test_truncate_then_rewrite_is_bit_identical_to_never_writing(kind):
     for a, b in zip(_kv(got), _kv(ref)):
         assert np.array_equal(a, b)
     if isinstance(got, PagedKVCache):
-        assert got.num_free_blocks == ref.num_free_blocks  # the dropped blocks went back
-        got.allocator.check()
+        assert got.blocks.num_free == ref.blocks.num_free  # the dropped blocks went back
+        got.blocks.allocator.check()
 
 
 @pytest.mark.parametrize("kv_dtype,bs,group", [("int8", 4, 32), ("kivi2", 8, 8), ("q4_1", 4, 32)])
@@ -219,10 +219,10 @@ def test_a_quantized_block_the_rollback_reopens_is_a_residual_again(kv_dtype, bs
 
     got, ref = new(), new()
     _write(got, 0, dk, dv)  # positions 6..19: quantizes the blocks it fills
-    assert got.quantized[got.block_table(0)[(cut - 1) // bs]]
+    assert got.quantized[got.blocks.table(0)[(cut - 1) // bs]]
     got.truncate(0, cut)
     _write(ref, 0, dk[:cut - 6], dv[:cut - 6])  # the run that never saw positions cut..19
-    table_got, table_ref = got.block_table(0), ref.block_table(0)
+    table_got, table_ref = got.blocks.table(0), ref.blocks.table(0)
     assert np.array_equal(got.quantized[table_got], ref.quantized[table_ref])
     for layer in range(2):
         for bg, br in zip(table_got, table_ref):
@@ -235,7 +235,7 @@ def test_a_quantized_block_the_rollback_reopens_is_a_residual_again(kv_dtype, bs
                 assert np.array_equal(g[:open_rows], r[:open_rows])
     assert np.array_equal(_write(got, 0, bk, bv, q), _write(ref, 0, bk, bv, q))  # fills it again, same bytes
     for layer in range(2):
-        for bg, br in zip(got.block_table(0), ref.block_table(0)):
+        for bg, br in zip(got.blocks.table(0), ref.blocks.table(0)):
             assert got.stored_block(layer, bg) == ref.stored_block(layer, br) or not ref.quantized[br]
     assert got.quantize_count.max() == 1  # an undone quantization is not counted
 
@@ -246,12 +246,12 @@ def test_a_block_quantized_before_the_last_step_cannot_be_reopened():
     rng = np.random.default_rng(2)
     _write(c, 0, *_rows(rng, 6))  # block 0 quantized here
     _write(c, 0, *_rows(rng, 1))
-    before = (c.length(0), c.block_table(0).tolist(), c.quantized.copy(), c.num_free_blocks)
+    before = (c.length(0), c.blocks.table(0).tolist(), c.quantized.copy(), c.blocks.num_free)
     with pytest.raises(RollbackError, match="quantized .* before the last step"):
         c.truncate(0, 3)
-    assert before[:2] == (c.length(0), c.block_table(0).tolist()) and np.array_equal(before[2], c.quantized)
+    assert before[:2] == (c.length(0), c.blocks.table(0).tolist()) and np.array_equal(before[2], c.quantized)
     c.truncate(0, 4)  # at its boundary: the block stays quantized, nothing to restore
-    assert c.length(0) == 4 and c.quantized[c.block_table(0)[0]]
+    assert c.length(0) == 4 and c.quantized[c.blocks.table(0)[0]]
 
 
 # --- sharing: forks, prefix hits and the prefix cache --------------------------------------------------------
@@ -266,16 +266,16 @@ def test_a_rollback_never_changes_what_another_owner_reads():
     _write(c, "b", *_rows(rng, 7))           # b copies the shared block 2 (CoW) and adds block 3, 4
     c.truncate("b", 11)                      # back into b's own copy of block 2
     c.truncate("b", 6)                       # frees b's copy (its last owner) and cuts into shared block 1
-    assert c.block_table("b")[1] != c.block_table("a")[1]  # copied at truncate: b will write it
+    assert c.blocks.table("b")[1] != c.blocks.table("a")[1]  # copied at truncate: b will write it
     _write(c, "b", *_rows(rng, 5))
     c.truncate("b", 3)                       # cuts into shared block 0: copied again
     _write(c, "b", *_rows(rng, 2))
     for x, y in zip(c.read_kv("a", 1), a_kv):
         assert np.array_equal(x, y)
-    assert all(c.allocator.ref_count(b) == 1 for b in c.block_table("a"))
+    assert all(c.blocks.allocator.ref_count(b) == 1 for b in c.blocks.table("a"))
     c.free_sequence("b")
-    c.allocator.check()
-    assert c.num_free_blocks == 12 - 3
+    c.blocks.allocator.check()
+    assert c.blocks.num_free == 12 - 3
 
 
 def test_a_copy_the_rollback_needs_and_cannot_get_changes_nothing():
@@ -285,8 +285,8 @@ def test_a_copy_the_rollback_needs_and_cannot_get_changes_nothing():
     c.fork("a", "b")
     with pytest.raises(OutOfBlocksError, match="shared last block"):
         c.truncate("b", 6)
-    assert c.length("b") == 8 and c.block_table("b").tolist() == c.block_table("a").tolist()
-    c.allocator.check()
+    assert c.length("b") == 8 and c.blocks.table("b").tolist() == c.blocks.table("a").tolist()
+    c.blocks.allocator.check()
 
 
 def test_the_prefix_cache_never_keeps_a_hash_for_a_rolled_back_block():
@@ -295,24 +295,24 @@ def test_the_prefix_cache_never_keeps_a_hash_for_a_rolled_back_block():
     prompt, drafts = list(range(1, 11)), [20, 21, 22, 23, 24, 25, 26]
     c.add_sequence(0, prompt)
     m.forward([prompt], c)
-    c.extend_token_ids(0, drafts)               # the drafts' ids declared: the step registers blocks 2 and 3
+    c.blocks.extend_token_ids(0, drafts)               # the drafts' ids declared: the step registers blocks 2 and 3
     m.forward([drafts], c)
-    registered = {b.block_id for b in c.allocator.blocks if b.hash is not None}
-    assert set(c.block_table(0)[:4].tolist()) <= registered
+    registered = {b.block_id for b in c.blocks.allocator.blocks if b.hash is not None}
+    assert set(c.blocks.table(0)[:4].tolist()) <= registered
     c.truncate(0, 11)                           # keeps one draft: block 2 is cut, block 3 and 4 dropped
-    kept = set(c.block_table(0)[:2].tolist())   # the only full blocks left
-    assert {b.block_id for b in c.allocator.blocks if b.hash is not None} == kept
-    c.allocator.check()
+    kept = set(c.blocks.table(0)[:2].tolist())   # the only full blocks left
+    assert {b.block_id for b in c.blocks.allocator.blocks if b.hash is not None} == kept
+    c.blocks.allocator.check()
     assert c.add_sequence(1, prompt + drafts) == 8  # a prompt with the dropped tokens hits the kept blocks only
     c.free_sequence(1)
     other = [30, 31, 32, 33, 34]                # re-write other tokens; their blocks are shared correctly
-    c.extend_token_ids(0, other)
+    c.blocks.extend_token_ids(0, other)
     logits = m.forward([other], c, all_logits=True)
     text = prompt + drafts[:1] + other
     assert c.add_sequence(2, text + [40]) == 16
     assert np.array_equal(m.forward([[40]], c, seq_ids=[2]), m.forward([[40]], c, seq_ids=[0]))
     assert np.allclose(logits, m.logits(text)[11:], rtol=1e-10, atol=1e-12)
-    c.allocator.check()
+    c.blocks.allocator.check()
 
 
 # --- bad input, caches that cannot roll back -------------------------------------------------------------

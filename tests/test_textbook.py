@@ -17,7 +17,6 @@ import time (``make exercise`` installs neither).
 
 from __future__ import annotations
 
-import ast
 import functools
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from minikv.textbook import s6_window as s6
 from minikv.textbook import s7_rollback as s7
 from minikv.textbook import s8_heads as s8
 from minikv.weights.random_models import default_mla, random_mla_model, random_model
+from tests.test_layout import code_lines  # the one counter of code lines (DESIGN.md sizes)
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-12
@@ -193,7 +193,7 @@ def test_s3_paged_cache_equals_the_engine(kind, block_size):
     model = tiny(kind)
     mine, engine = paged_pair(model, block_size)
     run_both("s3", model, mine, engine, steps_for(model.config.vocab_size))
-    assert len(mine.allocator.free_ids) == engine.num_free_blocks  # blocks taken only as sequences grow
+    assert len(mine.allocator.free_ids) == engine.blocks.num_free  # blocks taken only as sequences grow
 
 
 def diverges(model, mine, engine, steps) -> float:
@@ -259,13 +259,13 @@ def test_s3b_prefix_hits_equal_the_engine_and_so_do_the_logits():
         run(seq_id, prompt[hit:])
         for tok in rng.integers(0, 97, 3).tolist():  # decode: the caller declares each token it feeds
             mine.tokens[seq_id].append(tok)
-            engine.extend_token_ids(seq_id, [tok])
+            engine.blocks.extend_token_ids(seq_id, [tok])
             run(seq_id, [tok])
         if seq_id == 0:
             mine.free_sequence(0)  # its full blocks stay findable: sequence 2 revives them
             engine.free_sequence(0)
     assert [mine.length(s) for s in (1, 2, 3)] == [engine.length(s) for s in (1, 2, 3)]
-    assert engine.prefix_hit_tokens == 8 + 8 + 4
+    assert engine.blocks.prefix_hit_tokens == 8 + 8 + 4
 
 
 def test_s3b_fork_copies_exactly_one_block_on_write_and_equals_the_engine():
@@ -281,11 +281,11 @@ def test_s3b_fork_copies_exactly_one_block_on_write_and_equals_the_engine():
     for toks in ([[11], [12]], [[13], [14]], [[15, 16], [17]]):
         for s, t in enumerate(toks):
             mine.tokens[s] += t
-            engine.extend_token_ids(s, t)
+            engine.blocks.extend_token_ids(s, t)
         check("s3b", model.forward(toks, mine, [0, 1], all_logits=True),
               model.forward(toks, engine, [0, 1], all_logits=True))
         if toks[0] == [11]:
-            assert free - len(mine.allocator.free_ids) == 1 == engine.cow_copies  # one copy, for one writer
+            assert free - len(mine.allocator.free_ids) == 1 == engine.blocks.cow_copies  # one copy, for one writer
     mine.free_sequence(0)
     mine.free_sequence(1)
     assert sorted(mine.allocator.free_ids) == list(range(12))
@@ -438,7 +438,7 @@ def test_s7_truncate_equals_the_engine_and_leaks_no_stale_row(block_size):
             continue
         check("s7", model.forward(list(step.values()), mine, list(step), all_logits=True),
               model.forward(list(step.values()), engine, list(step), all_logits=True))
-        assert len(mine.allocator.free_ids) == engine.num_free_blocks
+        assert len(mine.allocator.free_ids) == engine.blocks.num_free
 
 
 class CountingModel:
@@ -613,21 +613,6 @@ def test_smollm2_s3_runs_as_a_module(smollm2_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "step 3, paged cache: the lesson's tokens equal the engine's" in proc.stdout, proc.stdout
-
-
-def code_lines(text: str) -> int:
-    """Lines of code: not blank, not a comment, not inside a docstring."""
-    prose = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None:
-            prose.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
-    return sum(1 for i, line in enumerate(text.splitlines(), 1)
-               if i not in prose and line.strip() and not line.strip().startswith("#"))
-
-
-def test_the_line_counter_skips_prose():
-    text = '"""Doc\n\nmore."""\n\n# a comment\nx = 1  # code\n\n\ndef f():\n    """Doc."""\n    return x\n'
-    assert code_lines(text) == 3
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -45,7 +45,7 @@ def chat(model, kv_dtype, policy=None, num_blocks=400, host_blocks=24, **options
     out = run_trace(TRACE, sched)
     if tier is not None:
         tier.check()
-        cache.allocator.check()
+        cache.blocks.allocator.check()
     return out, tier
 
 
@@ -143,7 +143,7 @@ def test_offload_then_reload_is_bit_identical(model, kv_dtype):
     p = rng.integers(0, 60, 33).tolist()  # 4 full blocks + 1 token
     cache.add_sequence("a", p)
     model.forward([p], cache, ["a"])
-    table = cache.block_table("a").tolist()
+    table = cache.blocks.table("a").tolist()
     before = [block_bytes(cache, b) for b in table[:4]]
     cache.free_sequence("a")
     other = rng.integers(0, 60, 48).tolist()  # 6 blocks: evicts all four
@@ -156,7 +156,7 @@ def test_offload_then_reload_is_bit_identical(model, kv_dtype):
     cache.free_sequence("b")
     assert cache.add_sequence("c", p) == 32  # every full block found on the host
     assert tier.stats.promoted == 4
-    assert [block_bytes(cache, b) for b in cache.block_table("c").tolist()] == before
+    assert [block_bytes(cache, b) for b in cache.blocks.table("c").tolist()] == before
 
 
 # -- the cost model, priced by hand ------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_seen_twice_stores_nothing_from_one_shot_prompts():
         cache.add_sequence(i, toks)
         M64.forward([toks], cache, [i])
         cache.free_sequence(i)
-    assert cache.allocator.evictions > 0 and tier.stats.demoted == 0 and not tier.entries
+    assert cache.blocks.allocator.evictions > 0 and tier.stats.demoted == 0 and not tier.entries
 
 
 def test_a_tier_refuses_what_it_cannot_serve():
@@ -245,7 +245,7 @@ class Run:
         real = self.tier.storage.demote
 
         def demote(dev, host):  # no block still held is ever demoted
-            assert all(self.cache.allocator.ref_count(b) == 0 for b in dev)
+            assert all(self.cache.blocks.allocator.ref_count(b) == 0 for b in dev)
             real(dev, host)
         self.tier.storage.demote = demote
 
@@ -253,7 +253,7 @@ class Run:
         toks = self.tokens[sid] + new
         past = self.cache.length(sid)
         if declare:  # a decoded token: the cache learns its id (a prompt's ids came with add_sequence)
-            self.cache.extend_token_ids(sid, new)
+            self.cache.blocks.extend_token_ids(sid, new)
         try:
             with self.cache.step([sid], [len(toks) - past]):
                 kv = kv_of(toks)[past:]
@@ -277,7 +277,7 @@ class Run:
     def apply(self, op: str, r: int) -> None:
         live = sorted(self.tokens)
         sid = live[r % len(live)] if live else None
-        swapped = sid is not None and self.cache.is_swapped(sid)
+        swapped = sid is not None and self.cache.blocks.is_swapped(sid)
         if op == "add" or sid is None:
             self.add(list(PROMPTS[r % len(PROMPTS)]))
         elif op == "prefetch":
@@ -285,10 +285,10 @@ class Run:
         elif op == "free":
             self.cache.free_sequence(sid)
             del self.tokens[sid]
-        elif op == "swap" and not swapped and self.cache.host_allocator.num_free >= self.cache.num_blocks_held(sid):
+        elif op == "swap" and not swapped and self.cache.blocks.host_allocator.num_free >= self.cache.blocks.held(sid):
             self.cache.swap_out(sid)
         elif swapped:
-            if self.cache.num_free_blocks >= self.cache.num_blocks_held(sid):
+            if self.cache.blocks.num_free >= self.cache.blocks.held(sid):
                 self.cache.swap_in(sid)
         elif op == "fork":
             self.cache.fork(sid, self.next_id)
@@ -301,8 +301,8 @@ class Run:
             self.feed(sid, [r % 11], declare=True)
 
     def check(self) -> None:
-        self.cache.allocator.check()
-        self.cache.host_allocator.check()
+        self.cache.blocks.allocator.check()
+        self.cache.blocks.host_allocator.check()
         self.tier.check()
         for sid, toks in self.tokens.items():
             k, v = self.cache.read_kv(sid, 0)
@@ -346,4 +346,5 @@ def test_long_seeded_runs_reach_every_path_and_lose_nothing(policy):
         run.apply(names[rng.integers(len(names))], int(rng.integers(10**6)))
         run.check()
     s = run.tier.stats
-    assert min(s.demoted, s.promoted, s.prefetched, s.host_evictions, run.cache.swap_ins, run.cache.cow_copies) > 0
+    blocks = run.cache.blocks
+    assert min(s.demoted, s.promoted, s.prefetched, s.host_evictions, blocks.swap_ins, blocks.cow_copies) > 0

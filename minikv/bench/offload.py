@@ -30,6 +30,7 @@ import numpy as np
 from minikv.costs import get_preset, kv_bytes_per_token, param_count, weights_bytes
 from minikv.errors import check_choice, check_int
 from minikv.generate import paged_cache
+from minikv.paged.allocator import num_blocks_for
 from minikv.scheduler import Request, Scheduler
 from minikv.tiers.scheduling import OffloadPolicy
 from minikv.tiers.tier import LINKS, OffloadTier
@@ -160,7 +161,7 @@ def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, h
             tier.finish()
         return outputs, _side(sched.stats, pol)
 
-    unlimited = trace.conversations * -(-trace.max_len() // block_size) + 1
+    unlimited = trace.conversations * num_blocks_for(trace.max_len(), block_size) + 1
     reference, _ = run(unlimited, None)
     device_outputs, device_only = run(device_blocks, None)
     policies, identical = {}, device_outputs == reference

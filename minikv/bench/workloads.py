@@ -55,7 +55,7 @@ class ReserveMaxLen(PagedPolicy):
     def admit(self, sched: Scheduler, seq, free: int) -> tuple[int, int] | None:
         if len(sched.running) >= self.slots:
             return None
-        return sched.cache.try_add_sequence(seq.request.id, seq.tokens, free_blocks=sched.cache.num_blocks)
+        return sched.cache.blocks.admit(seq.request.id, seq.tokens, free_blocks=sched.cache.num_blocks)
 
     def account(self, sched: Scheduler) -> None:
         st = sched.stats

@@ -16,8 +16,9 @@ weight bytes are that count times the dtype's bytes.
 
 from __future__ import annotations
 
-from minikv.costs.shape import DTYPE_BITS, QUANTIZED_DTYPES, ModelShape, ceil_div, check_dtype
+from minikv.costs.shape import DTYPE_BITS, QUANTIZED_DTYPES, ModelShape, check_dtype
 from minikv.errors import ConfigError, InvalidInputError, check_int
+from minikv.paged.allocator import ceil_div
 
 
 def check_count(name: str, val, minimum: int) -> int:

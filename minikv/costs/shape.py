@@ -33,11 +33,6 @@ def dtype_bytes(dtype: str) -> float:
     return DTYPE_BITS[check_dtype(dtype)] / 8
 
 
-def ceil_div(a: int, b: int) -> int:
-    """Ceiling of a / b for positive ints, exact (no float rounding of 1e19-sized products)."""
-    return -(-a // b)
-
-
 # --- model shapes ------------------------------------------------------------------------------
 
 MLP_KINDS = ("swiglu", "gelu")

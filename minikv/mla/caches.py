@@ -118,15 +118,13 @@ class LatentContiguousKVCache(_LatentAttention, ContiguousKVCache):
 
     def __init__(self, num_layers: int, num_heads: int, mla: MLAConfig, up: Sequence[LatentUp], max_seqs: int,
                  max_len: int, dtype=np.float32, form: str = "auto"):
-        self.latent = None
         super().__init__(num_layers, 1, _latent_width(mla), max_seqs, max_len, dtype)
         self._init_latent(num_heads, mla, up, form)
 
-    def _new_buffer(self, shape: tuple):
-        """The one latent store [L, max_seqs, 1, max_len, Dl]: asked for K and then V, both get it."""
-        if self.latent is None:
-            self.latent = np.zeros(shape, dtype=self.dtype)
-        return self.latent
+    def _new_store(self, shape: tuple) -> tuple:
+        """The one latent store [L, max_seqs, 1, max_len, Dl], which ``k`` and ``v`` both name."""
+        self.latent = np.zeros(shape, dtype=self.dtype)
+        return self.latent, self.latent
 
     def write(self, layer: int, latent: np.ndarray, v=None) -> None:
         """Store the step's latents (latent: [N, 1, Dl], v None) at each sequence's next positions."""
@@ -164,19 +162,16 @@ class LatentPagedKVCache(_LatentAttention, PagedKVCache):
     def __init__(self, num_layers: int, num_heads: int, mla: MLAConfig, up: Sequence[LatentUp], num_blocks: int,
                  block_size: int = 16, dtype=np.float32, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, hash_fn=None, form: str = "auto"):
-        self.pool = self.host_pool = None
         super().__init__(num_layers, 1, _latent_width(mla), num_blocks, block_size, dtype,
                          num_host_blocks, enable_prefix_caching, hash_fn)
         self._init_latent(num_heads, mla, up, form)
 
     # -- storage hooks: one pool (and one host pool), each copy done once -------------------------
-    def _new_pool(self, num_blocks: int, host: bool):
-        """The one pool [L, num_blocks, block_size, Dl]: asked for K and then V, both get it."""
-        name = "host_pool" if host else "pool"
-        if getattr(self, name) is None:
-            setattr(self, name, np.zeros((self.num_layers, num_blocks, self.block_size, self.head_dim),
-                                         dtype=self.dtype))
-        return getattr(self, name)
+    def _new_store(self, num_blocks: int, host: bool) -> tuple:
+        """The one pool [L, num_blocks, block_size, Dl] (``pool``, or ``host_pool``), which K and V both name."""
+        pool = np.zeros((self.num_layers, num_blocks, self.block_size, self.head_dim), dtype=self.dtype)
+        setattr(self, "host_pool" if host else "pool", pool)
+        return pool, pool
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src, dst = (np.asarray(ids, dtype=np.int64) for ids in zip(*pairs))

@@ -7,7 +7,7 @@
 ``truncate``   step 7's rollback of a block table (speculative decoding)
 """
 
-from minikv.paged.allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for
+from minikv.paged.allocator import Block, BlockAllocator, HashFn, ceil_div, chain_hash, num_blocks_for
 from minikv.paged.attention import (
                                     TileLoader,
                                     check_paged_attention_args,
@@ -19,7 +19,8 @@ from minikv.paged.attention import (
 )
 from minikv.paged.cache import PagedKVCache
 from minikv.paged.manager import BlockManager, SeqState, StepPlan
+from minikv.paged.truncate import truncate_table
 
 __all__ = ["Block", "BlockAllocator", "BlockManager", "HashFn", "PagedKVCache", "SeqState", "StepPlan", "TileLoader",
-           "chain_hash", "check_paged_attention_args", "default_blocks_per_tile", "gather_blocks", "num_blocks_for",
-           "paged_attention", "query_positions", "slot_mapping"]
+           "ceil_div", "chain_hash", "check_paged_attention_args", "default_blocks_per_tile", "gather_blocks",
+           "num_blocks_for", "paged_attention", "query_positions", "slot_mapping", "truncate_table"]

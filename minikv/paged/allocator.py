@@ -53,9 +53,14 @@ def chain_hash(prefix_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for integers a >= 0, b > 0, exactly (no float): the one place this rounding is written."""
+    return -(-a // b)
+
+
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-    return -(-int(num_tokens) // int(block_size))
+    return ceil_div(int(num_tokens), int(block_size))
 
 
 @dataclass
@@ -261,6 +266,20 @@ class BlockAllocator:
             w = self.blocks[winner]
             equal = w.token_ids == toks and w.parent == parent
             b.canon = w.canon if equal else b.identity  # a real collision: b stays unreachable
+
+    def forget(self, block_id: int) -> None:
+        """Take a block that is still handed out out of the prefix cache (its contents are about to change).
+
+        Its generation moves on, so an identity a child recorded as its chain parent never matches the
+        block's new contents. A block that was never registered is left as it is.
+        """
+        b = self.blocks[self._check_id(block_id)]
+        if b.hash is None:
+            return
+        if self._table.get(b.hash) == b.block_id:
+            del self._table[b.hash]
+        b.forget()
+        b.generation += 1
 
     def check(self) -> None:
         """Assert the allocator's own invariants (for tests and debugging)."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from minikv import online_softmax
 from minikv.errors import ConfigError, InvalidInputError, ShapeError, check_int
+from minikv.paged.allocator import ceil_div
 
 
 def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -39,17 +40,18 @@ def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int
     return table[positions // block_size] * block_size + positions % block_size
 
 
-TileLoader = Callable[[np.ndarray, np.ndarray], np.ndarray]
+TileLoader = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (blk [R, tile], full [R, tile]) -> [R, tile, bs, Hkv, D]
 
 
-def gather_blocks(pool: np.ndarray, blk: np.ndarray) -> np.ndarray:
-    """The default tile loader: blocks ``blk`` [R, tile] of ``pool`` -> [R, tile, block_size, Hkv, D]."""
-    return pool[blk]
+def gather_blocks(pool: np.ndarray) -> TileLoader:
+    """The default tile loader of ``pool``: blocks ``blk`` -> ``pool[blk]`` [R, tile, block_size, Hkv, D]."""
+    return lambda blk, full: pool[blk]
 
 
 def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, query_lens: np.ndarray | None = None,
-                    blocks_per_tile: int | None = None, load_tile: TileLoader | None = None) -> np.ndarray:
+                    blocks_per_tile: int | None = None, load_k: TileLoader | None = None,
+                    load_v: TileLoader | None = None) -> np.ndarray:
     """Attention of packed queries over each sequence's blocks, read through its block table.
 
     q:               [N, Hq, D] queries of B sequences, packed (sequence b owns query_lens[b] rows)
@@ -58,8 +60,10 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     context_lens:    [B] tokens each sequence holds *including* this step's
     query_lens:      [B] new tokens per sequence (default all 1: pure decode); sum = N
     blocks_per_tile: blocks read per iteration (1 = one block at a time; default ~128 keys)
-    load_tile:       ``load_tile(pool, blk) -> [*blk.shape, block_size, Hkv, D]``, the blocks ``blk`` of a
-                     pool (default ``pool[blk]``); a quantized cache dequantizes there (``minikv.quant``)
+    load_k, load_v:  ``load(blk, full) -> [*blk.shape, block_size, Hkv, D]``: the blocks ``blk`` [R, tile]
+                     of the tile for R queries, where ``full`` [R, tile] says which of them are full at
+                     each query's position (default: ``k_pool[blk]``, ignoring ``full``; a quantized
+                     cache reads the full ones from their codes: ``minikv.quant.cache``)
     returns:         [N, Hq, D] in q's dtype
 
     The t-th query of sequence b sits at ``p = context_lens[b] - query_lens[b] + t`` and sees
@@ -80,15 +84,17 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     visible = pos + 1                                                        # [N] keys 0..pos
     tables = _whole_tiles(block_tables, context_lens, bs, tile)[seq_of]      # [N, width] physical ids
     qg = q.reshape(n, hkv, g, d)  # a whole GQA group per KV head: K/V of a block read once per group
-    load = gather_blocks if load_tile is None else load_tile
+    load_k = gather_blocks(k_pool) if load_k is None else load_k
+    load_v = gather_blocks(v_pool) if load_v is None else load_v
     state = online_softmax.start((n, hkv, g), d, dt)
     for start in range(0, int(visible.max()), span):
         rows = np.flatnonzero(visible > start)  # queries that see at least one key of this tile
         r = rows.size
         rows = slice(None) if r == n else rows  # all of them: views instead of fancy-indexed copies
         blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
-        kb = load(k_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
-        vb = load(v_pool, blk).reshape(r, span, hkv, d).astype(dt, copy=False)
+        full = (start // bs + np.arange(tile) + 1) * bs <= visible[rows, None]  # [R, tile] block full at the query
+        kb = load_k(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
+        vb = load_v(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
         valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
@@ -104,8 +110,8 @@ def _whole_tiles(block_tables: np.ndarray, context_lens: np.ndarray, bs: int, ti
     Unused entries may hold anything (-1 padding...); block 0's slots there are masked.
     """
     bsz, width = block_tables.shape
-    in_use = np.arange(width)[None, :] < (-(-context_lens // bs))[:, None]
-    safe = np.zeros((bsz, -(-width // tile) * tile), dtype=np.int64)
+    in_use = np.arange(width)[None, :] < ceil_div(context_lens, bs)[:, None]
+    safe = np.zeros((bsz, ceil_div(width, tile) * tile), dtype=np.int64)
     safe[:, :width] = np.where(in_use, block_tables, 0)
     return safe
 
@@ -158,7 +164,7 @@ def check_paged_attention_args(q, k_pool, v_pool, block_tables, context_lens, qu
         raise InvalidInputError(f"query_lens={query_lens.tolist()} with context_lens={context_lens.tolist()} "
                                 f"and N={n} queries: each sequence needs 1 <= query_len <= context_len, "
                                 "summing to N")
-    need = -(-context_lens // bs)
+    need = ceil_div(context_lens, bs)
     width = block_tables.shape[1]
     if np.any(need > width):
         raise ShapeError(f"block_tables has {width} columns but a context of "

@@ -36,7 +36,8 @@ from minikv.errors import check_int
 from minikv.kv_cache import KVCacheBase, Step
 from minikv.paged.allocator import HashFn, num_blocks_for
 from minikv.paged.attention import paged_attention, slot_mapping
-from minikv.paged.manager import HOLE, BlockManager
+from minikv.paged.manager import BlockManager
+from minikv.paged.truncate import truncate_table
 
 
 class PagedKVCache(KVCacheBase):
@@ -65,26 +66,27 @@ class PagedKVCache(KVCacheBase):
                  enable_prefix_caching: bool = True, hash_fn: HashFn | None = None,
                  blocks_per_tile: int | None = None):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype)
-        self.blocks = BlockManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching, hash_fn)
-        self.allocator, self.host_allocator = self.blocks.allocator, self.blocks.host_allocator
-        self.num_blocks, self.block_size = self.allocator.num_blocks, self.allocator.block_size
+        self.blocks = self._new_manager(num_blocks, block_size, num_host_blocks, enable_prefix_caching, hash_fn)
+        self.num_blocks, self.block_size = self.blocks.allocator.num_blocks, self.blocks.block_size
         self.num_host_blocks = self.blocks.num_host_blocks
         if blocks_per_tile is not None:
             check_int("blocks_per_tile", blocks_per_tile)
         self.blocks_per_tile = blocks_per_tile
-        self.k_pool = self._new_pool(self.num_blocks, host=False)
-        self.v_pool = self._new_pool(self.num_blocks, host=False)
-        self.host_k_pool = self._new_pool(self.num_host_blocks, host=True)
-        self.host_v_pool = self._new_pool(self.num_host_blocks, host=True)
+        self.k_pool, self.v_pool = self._new_store(self.num_blocks, host=False)
+        self.host_k_pool, self.host_v_pool = self._new_store(self.num_host_blocks, host=True)
         self._slots: np.ndarray | None = None        # [N] int64 slots of the open step's new tokens
         self._step_tables: np.ndarray | None = None  # [B, max_blocks] int32 block tables of the open step
 
+    def _new_manager(self, *args) -> BlockManager:
+        """The bookkeeping (a step-6 cache gives it holes: ``minikv.window.manager``)."""
+        return BlockManager(*args)
+
     # -- storage hooks: the only places outside write/attend that touch K/V numbers ---------
     # A device cache (minikv_gpu.paged) overrides these four (and write/attend), inheriting the rest.
-    def _new_pool(self, num_blocks: int, host: bool):
-        """A zeroed pool ``[L, num_blocks, block_size, Hkv, D]`` (``host``: the swap target)."""
+    def _new_store(self, num_blocks: int, host: bool) -> tuple:
+        """The zeroed K and V pools, each ``[L, num_blocks, block_size, Hkv, D]`` (``host``: the swap target)."""
         shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return np.zeros(shape, dtype=self.dtype)
+        return np.zeros(shape, dtype=self.dtype), np.zeros(shape, dtype=self.dtype)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: device block ``src`` -> ``dst`` for every (src, dst) pair, all layers, K and V.
@@ -127,8 +129,9 @@ class PagedKVCache(KVCacheBase):
     def _end(self) -> None:
         self._slots, self._step_tables = None, None
 
-    def _truncate(self, seq_id, new_len: int) -> None:  # the manager's bookkeeping, then a shared last block's copy
-        for pair in self.blocks.truncate(seq_id, new_len):
+    def _truncate(self, seq_id, new_len: int) -> None:
+        """Step 7's rollback (``minikv.paged.truncate``): the table's bookkeeping, then a shared last block's copy."""
+        for pair in truncate_table(self.blocks, seq_id, new_len):
             self._copy_blocks([pair])
 
     def slot_mapping(self) -> np.ndarray:
@@ -152,7 +155,8 @@ class PagedKVCache(KVCacheBase):
         return paged_attention(q, self.k_pool[layer], self.v_pool[layer], self._step_tables,
                                step.past + step.num_new, step.num_new, self.blocks_per_tile)
 
-    # -- sequences: bookkeeping by the block manager, block copies here ---------------------------
+    # -- sequences: bookkeeping by the block manager (``cache.blocks``: ask it the scheduler's questions),
+    #    block copies here
     def add_sequence(self, seq_id, prompt_ids: Sequence[int] | None = None) -> int:
         """Start a sequence; return how many leading prompt tokens are already cached.
 
@@ -162,10 +166,6 @@ class PagedKVCache(KVCacheBase):
         always < len(prompt_ids). Without ids nothing is shared (returns 0).
         """
         return self.blocks.add_sequence(seq_id, prompt_ids)
-
-    def try_add_sequence(self, seq_id, prompt_ids: Sequence[int], free_blocks: int) -> tuple[int, int] | None:
-        """``add_sequence`` only if its prefill fits in ``free_blocks``: (cached tokens, blocks consumed) or None."""
-        return self.blocks.admit(seq_id, prompt_ids, free_blocks)
 
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence; its blocks return to the pool (full registered ones stay cached until evicted)."""
@@ -188,28 +188,9 @@ class PagedKVCache(KVCacheBase):
         """Bring a swapped-out sequence back into fresh device blocks. OutOfBlocksError changes nothing."""
         self._swap_in_blocks(*self.blocks.swap_in(seq_id))
 
-    def extend_token_ids(self, seq_id, token_ids: Sequence[int]) -> None:
-        """Declare the ids of tokens about to be fed (e.g. a sampled token) so full blocks can be shared."""
-        self.blocks.extend_token_ids(seq_id, token_ids)
-
-    def admission_cost(self, prompt_ids: Sequence[int]) -> int:
-        """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume."""
-        return self.blocks.admission_cost(prompt_ids)
-
-    def num_blocks_held(self, seq_id) -> int:
-        """Blocks the sequence holds (on the device, or on the host while swapped out); a block an evicting
-        cache gave back (a hole in its table) does not count."""
-        s = self.blocks.state(seq_id)
-        table = s.block_table if s.host_table is None else s.host_table
-        return sum(1 for b in table if b != HOLE)
-
     def peak_blocks(self, prompt_len: int, longest: int) -> int:
         """The most blocks one sequence can hold at once on its way to ``longest`` tokens (admission's bound)."""
         return num_blocks_for(longest, self.block_size)
-
-    def blocks_needed(self, seq_ids: Sequence, num_new: Sequence[int]) -> int:
-        """Free blocks a step with these sequences would consume (new blocks + copy-on-write copies)."""
-        return self.blocks.blocks_needed(seq_ids, num_new)
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self.blocks.seqs
@@ -219,33 +200,6 @@ class PagedKVCache(KVCacheBase):
 
     def length(self, seq_id) -> int:
         return self.blocks.state(seq_id).length
-
-    def block_table(self, seq_id) -> np.ndarray:
-        """The sequence's block table: int32 [ceil(length / block_size)] (empty while swapped out)."""
-        return np.asarray(self.blocks.state(seq_id).block_table, dtype=np.int32)
-
-    def host_block_table(self, seq_id) -> np.ndarray | None:
-        """Host blocks holding the sequence while it is swapped out, else None."""
-        s = self.blocks.state(seq_id)
-        return None if s.host_table is None else np.asarray(s.host_table, dtype=np.int32)
-
-    def is_swapped(self, seq_id) -> bool:
-        return self.blocks.state(seq_id).host_table is not None
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.allocator.enable_prefix_caching
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free
-
-    # counters kept by the manager, read here by benchmarks and tests
-    cow_copies = property(lambda self: self.blocks.cow_copies)
-    prefix_query_tokens = property(lambda self: self.blocks.prefix_query_tokens)
-    prefix_hit_tokens = property(lambda self: self.blocks.prefix_hit_tokens)
-    swap_outs = property(lambda self: self.blocks.swap_outs)
-    swap_ins = property(lambda self: self.blocks.swap_ins)
 
     # -- inspection -------------------------------------------------------------------------------
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -269,12 +223,12 @@ class PagedKVCache(KVCacheBase):
         utilization:     slots_used / slots_allocated (1.0 when nothing is allocated)
         cached_free_blocks: freed blocks still in the prefix cache (free, but reusable by a hit)
         """
+        a = self.blocks.allocator
         used = sum(self.blocks.slots_filled().values())
-        alloc = self.allocator.num_used * self.block_size
-        return {"blocks_in_use": self.allocator.num_used, "slots_allocated": alloc, "slots_used": used,
+        alloc = a.num_used * self.block_size
+        return {"blocks_in_use": a.num_used, "slots_allocated": alloc, "slots_used": used,
                 "internal_waste": alloc - used, "utilization": used / alloc if alloc else 1.0,
-                "cached_free_blocks": len(self.allocator.cached_block_ids()),
-                "free_blocks": self.allocator.num_free}
+                "cached_free_blocks": len(a.cached_block_ids()), "free_blocks": a.num_free}
 
     def bytes_allocated(self) -> int:
         """Bytes of the whole device pool (preallocated once, handed out block by block)."""

@@ -9,7 +9,8 @@ the pools (``minikv.paged.cache.PagedKVCache``) carries it out.
 
 * ``add_sequence(seq_id, prompt_ids)`` walks the prefix cache: leading full
   blocks already cached are shared (ref count + 1), and the caller runs the model
-  on the rest only.
+  on the rest only. ``can_admit`` and ``admit`` are the scheduler's two verbs:
+  does a prompt's prefill fit in so many free blocks, and if so, take them.
 * ``fork(parent, child)`` shares every block of the parent (parallel sampling,
   beam search): nothing is copied yet. Before the first write into a shared,
   partly filled last block, that one block is copied (copy-on-write). Full
@@ -19,32 +20,27 @@ the pools (``minikv.paged.cache.PagedKVCache``) carries it out.
   blocks in the prefix cache; ``rollback`` gives back exactly what ``reserve`` took.
 * ``swap_out`` / ``swap_in`` move a sequence between the device pool and a host
   pool (preemption by swap) and return the (source, destination) block lists.
-* ``truncate(seq_id, new_len)`` takes tokens back (speculative decoding): blocks past
-  ``new_len`` are given back, and a block holding a dropped token leaves the prefix cache
-  when no other sequence reads it; a *shared* partly kept last block is copied right away
-  (copy-on-write at truncate time), so a block in the prefix cache is never written again.
-* ``release_block(seq_id, j)`` gives back a full block none of whose tokens the
-  sequence still reads (an evicting cache, ``minikv.window.paged``); entry j
-  becomes a ``HOLE``. Holes keep every other entry at its index (position p stays
-  in entry p // bs); fork, free, swap and the prefix cache all skip them.
 
 A block becomes shareable when the step that fills it commits, so requests
 admitted in the same step as the first one carrying a prefix compute that
 prefix themselves (the batching benchmark's hit rate shows the effect).
+
+Later steps extend the manager without adding branches to it: step 6's evicting manager
+(``minikv.window.manager``) overrides the three table hooks (``_held``, ``_remap``,
+``_shareable``) to leave holes in a table; step 7's host tier installs ``extend_hit`` to continue
+a prefix hit on the host, and ``minikv.paged.truncate`` cuts a table back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 from minikv.errors import InvalidInputError, OutOfBlocksError, check_int
 from minikv.kv_cache import Step, lookup_sequence
 from minikv.paged.allocator import BlockAllocator, HashFn, num_blocks_for
-
-HOLE = -1  # a block-table entry whose block went back to the pool: the sequence reads none of its tokens
 
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
@@ -56,9 +52,9 @@ def _token_list(token_ids: Sequence[int]) -> list[int]:
     return a.tolist()
 
 
-def _real(table: list) -> list:
-    """The block ids of a table, holes left out."""
-    return [b for b in table if b != HOLE]
+def no_host_hit(tokens: list[int], hit: list[int]) -> list[int]:
+    """The default ``extend_hit``: a prefix hit ends where the device's prefix cache ends."""
+    return []
 
 
 @dataclass
@@ -68,7 +64,6 @@ class SeqState:
     token_ids: list | None = None  # the sequence's tokens when known (for prefix registration)
     num_registered: int = 0      # leading full blocks already registered in the prefix cache
     host_table: list | None = None  # host block ids while swapped out, else None
-    share_limit: int | None = None  # blocks from this index on are never registered (computed under eviction)
 
 
 @dataclass
@@ -107,7 +102,8 @@ class BlockManager:
                                if self.num_host_blocks else None)
         self.seqs: dict = {}
         self._pending: list | None = None  # reservations of the open step, None when no step is open
-        self.tier = None  # a host offload tier (minikv.tiers.tier.OffloadTier) extends prefix hits from the host
+        # a hook for a later step: a host tier (minikv.tiers) continues prefix hits on the host
+        self.extend_hit: Callable[[list[int], list[int]], list[int]] = no_host_hit
         # counters for benchmarks and tests
         self.cow_copies = 0
         self.prefix_query_tokens = 0
@@ -126,6 +122,28 @@ class BlockManager:
                                     f"swap_in({seq_id!r}) first")
         return s
 
+    def table(self, seq_id) -> np.ndarray:
+        """The sequence's block table: int32 [ceil(length / block_size)] (empty while swapped out)."""
+        return np.asarray(self.state(seq_id).block_table, dtype=np.int32)
+
+    def host_table(self, seq_id) -> np.ndarray | None:
+        """Host blocks holding the sequence while it is swapped out, else None."""
+        s = self.state(seq_id)
+        return None if s.host_table is None else np.asarray(s.host_table, dtype=np.int32)
+
+    def is_swapped(self, seq_id) -> bool:
+        return self.state(seq_id).host_table is not None
+
+    def held(self, seq_id) -> int:
+        """Blocks the sequence holds, on the device or (while swapped out) on the host."""
+        s = self.state(seq_id)
+        return len(self._held(s.block_table if s.host_table is None else s.host_table))
+
+    @property
+    def num_free(self) -> int:
+        """Device blocks an allocation can take (plain free and cached-free)."""
+        return self.allocator.num_free
+
     def _no_open_step(self, what: str) -> None:
         if self._pending is not None:
             raise InvalidInputError(f"cannot {what} while a step is open; finish the step first")
@@ -142,10 +160,10 @@ class BlockManager:
             hit = hit[:-1]
         return hit
 
-    def admission_cost(self, prompt_ids: Sequence[int]) -> int:
-        """Free blocks that ``add_sequence(prompt_ids)`` plus a prefill of the rest would consume."""
+    def can_admit(self, prompt_ids: Sequence[int], free_blocks: int) -> bool:
+        """Whether ``admit`` would take this prompt with ``free_blocks`` blocks to spare (nothing changes)."""
         tokens = _token_list(prompt_ids)
-        return self._cost(tokens, self.prefix_hit(tokens))
+        return self._cost(tokens, self.prefix_hit(tokens)) <= free_blocks
 
     def _cost(self, tokens: list, hit: list[int]) -> int:
         # new blocks for the uncached part + cached-free blocks the hit revives; blocks in use by others are free
@@ -171,6 +189,19 @@ class BlockManager:
     def blocks_needed(self, seq_ids: Sequence, num_new: Sequence[int]) -> int:
         """Free blocks a step with these sequences would consume (new blocks + copy-on-write copies)."""
         return sum(n + c for n, c in self._needs(seq_ids, num_new))
+
+    # -- the table hooks a later step overrides (step 6's holes, minikv.window.manager) ----------
+    def _held(self, table: list) -> list:
+        """The block ids a table holds (each one reference)."""
+        return list(table)
+
+    def _remap(self, table: list, fresh: list) -> list:
+        """``table`` with its blocks replaced, in order, by the ``fresh`` ones of a swap."""
+        return list(fresh)
+
+    def _shareable(self, seq_id, s: SeqState) -> int:
+        """How many leading blocks of the sequence may enter the prefix cache: its full, known ones."""
+        return min(s.length, len(s.token_ids)) // self.block_size
 
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id, prompt_ids: Sequence[int] | None = None) -> int:
@@ -206,8 +237,8 @@ class BlockManager:
     def _add(self, seq_id, tokens: list | None, hit: list[int]) -> int:
         for bid in hit:
             self.allocator.incref(bid)
-        if self.tier is not None and tokens is not None:
-            hit = hit + self.tier.extend_hit(tokens, hit)  # promoted host blocks, each already held once
+        if tokens is not None:
+            hit = hit + self.extend_hit(tokens, hit)  # a host tier's promoted blocks, each already held once
         n = len(hit) * self.block_size
         self.seqs[seq_id] = SeqState(block_table=list(hit), length=n, token_ids=tokens, num_registered=len(hit))
         if tokens is not None and self.allocator.enable_prefix_caching:
@@ -227,12 +258,11 @@ class BlockManager:
         p = self.resident(parent_id)
         if child_id in self.seqs:
             raise InvalidInputError(f"sequence {child_id!r} already exists; fork into a new id")
-        for bid in p.block_table:
-            if bid != HOLE:
-                self.allocator.incref(bid)
+        for bid in self._held(p.block_table):
+            self.allocator.incref(bid)
         self.seqs[child_id] = SeqState(block_table=list(p.block_table), length=p.length,
                                        token_ids=None if p.token_ids is None else list(p.token_ids),
-                                       num_registered=p.num_registered, share_limit=p.share_limit)
+                                       num_registered=p.num_registered)
 
     def free_sequence(self, seq_id) -> None:
         """Drop a sequence; its blocks return to the pool (full registered ones stay cached until evicted)."""
@@ -240,39 +270,12 @@ class BlockManager:
         s = self.state(seq_id)
         # Last block first: the LRU list then evicts a chain from its tail, and a
         # chain's first blocks (the ones every hit needs) survive the longest.
-        for bid in reversed(_real(s.block_table)):
+        for bid in reversed(self._held(s.block_table)):
             self.allocator.decref(bid)
         if s.host_table is not None:
-            for bid in reversed(_real(s.host_table)):
+            for bid in reversed(self._held(s.host_table)):
                 self.host_allocator.decref(bid)
         del self.seqs[seq_id]
-
-    def release_block(self, seq_id, index: int) -> None:
-        """Give back full block ``index`` of a sequence that reads none of its tokens any more; the entry becomes HOLE.
-
-        The block loses this sequence's reference only: other holders (fork, prefix hit) keep it,
-        and a registered block stays in the prefix cache (its K/V are still exact).
-        """
-        self._no_open_step("release a block")
-        s = self.resident(seq_id)
-        index = check_int("index", index, minimum=0, maximum=s.length // self.block_size - 1,
-                          error=InvalidInputError, hint="only a full block of the sequence can be released")
-        if s.block_table[index] == HOLE:
-            raise InvalidInputError(f"block {index} of sequence {seq_id!r} was already released")
-        self.allocator.decref(s.block_table[index])
-        s.block_table[index] = HOLE
-
-    def truncate(self, seq_id, new_len: int) -> list[tuple[int, int]]:
-        """Keep the first ``new_len`` tokens of a sequence; returns the copy plan [(src, dst)] (``truncate_table``)."""
-        self._no_open_step("truncate")
-        copies = truncate_table(self.allocator, self.resident(seq_id), seq_id, new_len)
-        self.cow_copies += len(copies)
-        return copies
-
-    def limit_sharing(self, seq_id, num_blocks: int) -> None:
-        """Never register blocks ``num_blocks`` on of the sequence (their K/V were computed under eviction)."""
-        s = self.state(seq_id)
-        s.share_limit = num_blocks if s.share_limit is None else min(s.share_limit, num_blocks)
 
     # -- swapping: each returns (source blocks, destination blocks) to copy, all layers, K and V ---
     def swap_out(self, seq_id) -> tuple[list[int], list[int]]:
@@ -286,14 +289,14 @@ class BlockManager:
         if self.host_allocator is None:
             raise OutOfBlocksError(f"cannot swap out {seq_id!r}: this cache has no host pool; "
                                    "build it with num_host_blocks > 0 or preempt by recompute")
-        dev = _real(s.block_table)
-        fresh = iter(self.host_allocator.allocate_many(len(dev)))
+        dev = self._held(s.block_table)
+        fresh = self.host_allocator.allocate_many(len(dev))
         for bid in reversed(dev):
             self.allocator.decref(bid)
-        s.host_table = [HOLE if b == HOLE else next(fresh) for b in s.block_table]  # holes stay at their index
+        s.host_table = self._remap(s.block_table, fresh)
         s.block_table, s.num_registered = [], 0
         self.swap_outs += 1
-        return dev, _real(s.host_table)
+        return dev, fresh
 
     def swap_in(self, seq_id) -> tuple[list[int], list[int]]:
         """Bring a swapped-out sequence back into fresh device blocks; returns (host blocks, device blocks)."""
@@ -301,14 +304,14 @@ class BlockManager:
         s = self.state(seq_id)
         if s.host_table is None:
             raise InvalidInputError(f"sequence {seq_id!r} is not swapped out")
-        host = _real(s.host_table)
-        fresh = iter(self.allocator.allocate_many(len(host)))
+        host = self._held(s.host_table)
+        fresh = self.allocator.allocate_many(len(host))
         for bid in reversed(host):
             self.host_allocator.decref(bid)
-        s.block_table, s.host_table = [HOLE if b == HOLE else next(fresh) for b in s.host_table], None
-        self._register_full(s)
+        s.block_table, s.host_table = self._remap(s.host_table, fresh), None
+        self._register_full(seq_id, s)
         self.swap_ins += 1
-        return host, _real(s.block_table)
+        return host, fresh
 
     # -- steps ----------------------------------------------------------------------------------
     def reserve(self, step: Step) -> StepPlan:
@@ -343,7 +346,7 @@ class BlockManager:
         for sid, n in zip(step.seq_ids, step.num_new, strict=True):
             s = self.seqs[sid]
             s.length += int(n)
-            self._register_full(s)
+            self._register_full(sid, s)
         self._pending = None
 
     def rollback(self) -> None:
@@ -364,17 +367,12 @@ class BlockManager:
                 self.cow_copies -= 1
         self._pending = None
 
-    def _register_full(self, s: SeqState) -> None:
+    def _register_full(self, seq_id, s: SeqState) -> None:
         """Enter the sequence's newly full blocks into the prefix cache (when its tokens are known)."""
         if not self.allocator.enable_prefix_caching or s.token_ids is None:
             return
         bs = self.block_size
-        full = min(s.length, len(s.token_ids)) // bs
-        if s.share_limit is not None:
-            full = min(full, s.share_limit)
-        for i in range(s.num_registered, full):
-            if s.block_table[i] == HOLE:
-                break  # a chain cannot pass a released block
+        for i in range(s.num_registered, self._shareable(seq_id, s)):
             self.allocator.register(s.block_table[i], s.block_table[i - 1] if i else None,
                                     s.token_ids[i * bs:(i + 1) * bs])
             s.num_registered = i + 1
@@ -383,59 +381,8 @@ class BlockManager:
         """Device block id -> token slots holding a real token (a shared block counted once)."""
         bs, filled = self.block_size, {}
         for s in self.seqs.values():
+            held = set(self._held(s.block_table))
             for j, bid in enumerate(s.block_table):
-                if bid == HOLE:
-                    continue
-                filled[bid] = max(filled.get(bid, 0), min(bs, s.length - j * bs))
+                if bid in held:
+                    filled[bid] = max(filled.get(bid, 0), min(bs, s.length - j * bs))
         return filled
-
-
-# --- rolling back (speculative decoding): BlockManager.truncate's work ------------------------------
-
-def truncate_table(a: BlockAllocator, s: SeqState, seq_id, new_len: int) -> list[tuple[int, int]]:
-    """Cut sequence ``s`` back to ``new_len`` tokens (0 <= new_len <= length); returns the copy plan [(src, dst)].
-
-    Blocks wholly past ``new_len`` lose this sequence's reference. A block that holds a dropped token
-    and that no other sequence holds leaves the prefix cache (its hash named tokens that are gone).
-    The partly kept last block must become writable: if another sequence shares it (a fork, a prefix
-    hit), this sequence gets a fresh block and the caller copies ``src -> dst`` at once, so a block
-    in the prefix cache is never written again. OutOfBlocksError, changing nothing, when no block is
-    left for that copy.
-    """
-    bs = a.block_size
-    keep = num_blocks_for(new_len, bs)
-    dropped = [b for b in s.block_table[keep:] if b != HOLE]
-    last = s.block_table[keep - 1] if new_len % bs else None  # the partly kept block, if any
-    if last is not None and a.ref_count(last) > 1 and a.num_free + sum(a.ref_count(b) == 1 for b in dropped) < 1:
-        raise OutOfBlocksError(f"truncating {seq_id!r} to {new_len} tokens must copy its shared last block, "
-                               "but no block is free; free or preempt a sequence first")
-    for bid in reversed(dropped):
-        if a.ref_count(bid) == 1:
-            unregister(a, bid)
-        a.decref(bid)
-    del s.block_table[keep:]
-    copies = []
-    if last is not None and a.ref_count(last) > 1:
-        new = a.allocate()
-        copies.append((last, new))  # `last` stays held (and cached) by its other owners
-        a.decref(last)
-        s.block_table[keep - 1] = new
-    elif last is not None:
-        unregister(a, last)  # written in place from now on
-    s.length, s.num_registered = new_len, min(s.num_registered, new_len // bs)
-    if s.token_ids is not None:
-        del s.token_ids[new_len:]
-    return copies
-
-
-def unregister(a: BlockAllocator, bid: int) -> None:
-    """Take block ``bid`` out of the prefix cache; its generation moves on, so an identity recorded as a
-    chain parent never matches its new contents. (It reaches into the allocator's hash table: the
-    allocator has no public way to forget a block that is still handed out.)"""
-    b = a.blocks[bid]
-    if b.hash is None:
-        return
-    if a._table.get(b.hash) == bid:
-        del a._table[b.hash]
-    b.forget()
-    b.generation += 1

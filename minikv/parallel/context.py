@@ -36,6 +36,7 @@ from minikv import online_softmax
 from minikv.errors import ConfigError, ShapeError
 from minikv.kv_cache import KVCacheBase, Step, lookup_sequence
 from minikv.mla.latent import LatentUp, MLAConfig
+from minikv.paged.allocator import ceil_div
 from minikv.parallel.collectives import Collectives
 
 STRIPED_KINDS = ("contiguous", "paged")
@@ -165,5 +166,5 @@ def striped_cache(kind: str, local_model, ranks: Collectives, max_len: int, max_
     if kind not in STRIPED_KINDS:
         raise ConfigError(f"cache {kind!r} with cp={ranks.size}: context parallelism stripes a cache that keeps "
                           f"every token; use one of {STRIPED_KINDS}")
-    inner = make_cache(kind, local_model, -(-int(max_len) // ranks.size), max_seqs, block_size, **options)
+    inner = make_cache(kind, local_model, ceil_div(int(max_len), ranks.size), max_seqs, block_size, **options)
     return StripedLatentCache(inner, ranks)

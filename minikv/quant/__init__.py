@@ -6,18 +6,9 @@
 """
 
 from minikv.quant import codecs
-from minikv.quant import codecs as quant_codecs
-from minikv.quant.cache import (
-                                QuantizedPagedKVCache,
-                                QuantizedPool,
-                                dequantize_tile,
-                                dequantized_pools,
-                                quantized_paged_attention,
-                                view_tables,
-)
+from minikv.quant.cache import QuantizedPagedKVCache, QuantizedStore, dequantized_pools, quantized_paged_attention
 from minikv.quant.codecs import CODECS, Codec, codec
 from minikv.quant.formats import KV_DTYPES, KVFormat, Side, is_kivi, kv_bytes_per_token, kv_format
 
-__all__ = ["CODECS", "Codec", "KVFormat", "KV_DTYPES", "QuantizedPagedKVCache", "QuantizedPool", "Side", "codec",
-           "codecs", "dequantize_tile", "dequantized_pools", "is_kivi", "kv_bytes_per_token", "kv_format",
-           "quant_codecs", "quantized_paged_attention", "view_tables"]
+__all__ = ["CODECS", "Codec", "KVFormat", "KV_DTYPES", "QuantizedPagedKVCache", "QuantizedStore", "Side", "codec",
+           "codecs", "dequantized_pools", "is_kivi", "kv_bytes_per_token", "kv_format", "quantized_paged_attention"]

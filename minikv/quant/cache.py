@@ -59,7 +59,8 @@ import numpy as np
 
 from minikv.errors import RollbackError
 from minikv.kv_cache import Step
-from minikv.paged.attention import paged_attention, query_positions
+from minikv.paged.allocator import ceil_div
+from minikv.paged.attention import paged_attention
 from minikv.paged.cache import PagedKVCache
 from minikv.quant.formats import Side, kv_format
 
@@ -70,70 +71,46 @@ from minikv.quant.formats import Side, kv_format
 # positions only, so a prefill, a chunked prefill, a batch, a prefix hit or a recompute after
 # preemption all see exactly what the one-token-at-a-time decode saw (the block that a step fills
 # is already encoded when the step attends; it is *published* as quantized at commit).
-#
-# Block ids in the tables given to ``paged_attention`` name a *view*: id b < num_blocks reads block
-# b's full-precision rows, id num_blocks + b reads block b's codes, dequantized.
+# ``paged_attention`` hands every tile loader that per-query mask, ``full`` [R, tile].
 
 @dataclass
-class QuantizedPool:
-    """One layer's K (or V) storage as ``paged_attention`` sees a pool of 2 x num_blocks views.
+class QuantizedStore:
+    """One layer's K (or V): the open blocks' full-precision rows and the full blocks' codes.
 
-    residual: [num_blocks, bs, Hkv, D] full precision (view ids 0 .. num_blocks - 1)
-    codes:    [num_blocks, block_bytes] uint8 (view ids num_blocks .. 2 num_blocks - 1)
+    residual: [num_blocks, bs, Hkv, D] in the cache's dtype
+    codes:    [num_blocks, block_bytes] uint8
+    Called as ``paged_attention``'s tile loader: blocks ``blk`` [R, tile] -> [R, tile, bs, Hkv, D],
+    from the codes where ``full`` [R, tile] (the block is full at that query's position), else
+    from the residual rows.
     """
 
     residual: np.ndarray
     codes: np.ndarray
     side: Side
 
-    @property
-    def shape(self) -> tuple:
-        return (2 * self.residual.shape[0],) + self.residual.shape[1:]
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        """Blocks ``ids`` [M] from their codes: float32 [M, bs, Hkv, D]."""
+        return self.side.decode(self.codes[ids], *self.residual.shape[1:])
 
-    @property
-    def ndim(self) -> int:
-        return self.residual.ndim
-
-
-def dequantize_tile(pool: QuantizedPool, blk: np.ndarray) -> np.ndarray:
-    """View ids ``blk`` (any shape) -> [*blk.shape, bs, Hkv, D]: codes decoded, residual rows as stored.
-
-    Each distinct block of the tile is decoded once, however many queries read it.
-    """
-    nb, geo = pool.residual.shape[0], pool.residual.shape[1:]
-    ids, inv = np.unique(np.asarray(blk, dtype=np.int64), return_inverse=True)
-    coded = ids >= nb
-    tile = np.empty((ids.size,) + geo, dtype=np.result_type(pool.residual.dtype, np.float32))
-    tile[~coded] = pool.residual[ids[~coded]]
-    if coded.any():
-        tile[coded] = pool.side.decode(pool.codes[ids[coded] - nb], *geo)
-    return tile[inv.reshape(np.shape(blk))]
+    def __call__(self, blk: np.ndarray, full: np.ndarray) -> np.ndarray:
+        tile = self.residual[blk].astype(np.result_type(self.residual.dtype, np.float32))
+        if full.any():  # each distinct block decoded once, however many queries read it
+            ids, inv = np.unique(blk[full], return_inverse=True)
+            tile[full] = self.decode(ids)[inv]
+        return tile
 
 
-def view_tables(block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
-                block_size: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """One single-query "sequence" per packed query: (tables [N, width] of view ids, context_lens [N]).
-
-    Query r at position p gets its sequence's table with every block full at p shifted to its
-    dequantized view (id + num_blocks), and context p + 1.
-    """
-    seq_of, pos = query_positions(context_lens, query_lens)
-    rows = np.asarray(block_tables, dtype=np.int64)[seq_of]                               # [N, width]
-    full = (np.arange(rows.shape[1]) + 1)[None, :] * block_size <= pos[:, None] + 1
-    return np.where(full, rows + num_blocks, rows), pos + 1
-
-
-def quantized_paged_attention(q: np.ndarray, k_pool: QuantizedPool, v_pool: QuantizedPool,
-                              tables: np.ndarray, context_lens: np.ndarray,
+def quantized_paged_attention(q: np.ndarray, k: QuantizedStore, v: QuantizedStore, block_tables: np.ndarray,
+                              context_lens: np.ndarray, query_lens: np.ndarray | None = None,
                               blocks_per_tile: int | None = None) -> np.ndarray:
-    """``paged_attention`` over quantized pools: q [N, Hq, D] -> [N, Hq, D] in q's dtype.
+    """``paged_attention`` over quantized storage: q [N, Hq, D] -> [N, Hq, D] in q's dtype.
 
-    ``tables``/``context_lens`` come from ``view_tables`` (one query per row). The same walk over
-    the tables, tile by tile through the online softmax; the one new step is marked. The history
-    is never dequantized as a whole: one tile of blocks at a time.
+    The same walk over the block tables, tile by tile through the online softmax; the one new step:
+    each tile's blocks are loaded by ``k`` and ``v``, which dequantize those full at the query.
+    The history is never dequantized as a whole: one tile of blocks at a time.
     """
-    return paged_attention(q, k_pool, v_pool, tables, context_lens, None, blocks_per_tile,
-                           load_tile=dequantize_tile)  # <- the new step: dequantize each tile as it is loaded
+    return paged_attention(q, k.residual, v.residual, block_tables, context_lens, query_lens, blocks_per_tile,
+                           load_k=k, load_v=v)
 
 
 # --- the cache ---------------------------------------------------------------------------------
@@ -163,7 +140,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.quantized = np.zeros(self.num_blocks, bool)
         self.host_quantized = np.zeros(self.num_host_blocks, bool)
         self.quantize_count = np.zeros(self.num_blocks, np.int64)
-        self._filling, self._views = np.zeros(0, np.int64), None  # the open step's filled blocks, view tables
+        self._filling = np.zeros(0, np.int64)  # the blocks the open step fills
         self._published: dict = {}  # (block id, generation) -> (k, v) [L, bs, Hkv, D] rows the last step quantized
 
     # -- storage hooks: a block is its residual rows, its codes and its flag ----------------------
@@ -189,17 +166,15 @@ class QuantizedPagedKVCache(PagedKVCache):
         """Physical ids of the blocks this step writes (or, ``full_only``, fills), int64 [M]."""
         bs, ids = self.block_size, []
         for i, (p, n) in enumerate(zip(step.past.tolist(), step.num_new.tolist(), strict=True)):
-            stop = (p + n) // bs if full_only else -(-(p + n) // bs)
+            stop = (p + n) // bs if full_only else ceil_div(p + n, bs)
             ids.extend(self._step_tables[i, p // bs:stop].tolist())
         return np.asarray(ids, dtype=np.int64)
 
     def _reserve(self, step: Step) -> None:
         super()._reserve(step)
-        self._published = {}  # the step after: the last step's quantized blocks can no longer be re-opened
+        self._published = {}  # step 7: the last step's quantized blocks can no longer be re-opened
         self.quantized[self._blocks_of_step(step, full_only=False)] = False  # written blocks: not full yet
         self._filling = self._blocks_of_step(step, full_only=True)
-        self._views = view_tables(self._step_tables, step.past + step.num_new, step.num_new, self.block_size,
-                                  self.num_blocks)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store the step's K/V (k, v: [N, Hkv, D]) in the residual; encode the blocks the step fills.
@@ -218,7 +193,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         full = self._filling
         super()._commit(step)
         if full.size:  # publish: the codes hold the block now; its residual rows are dead (NaN)
-            self._keep_rows(full)
+            self._keep_rows(full)  # step 7: for a truncate that re-opens one of them (the last section)
             self.quantized[full] = True
             self.quantize_count[full] += 1
             self.k_pool[:, full] = np.nan
@@ -226,44 +201,20 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def _end(self) -> None:
         super()._end()
-        self._filling, self._views = np.zeros(0, np.int64), None
-
-    # -- rolling back: a block the last step quantized can become a residual again -----------------
-    def _keep_rows(self, full: np.ndarray) -> None:
-        """Keep the full-precision rows of the blocks being published until the next step (see the module
-        docstring); keyed by generation, so a block id handed out again never matches."""
-        gen = self.allocator.blocks
-        self._published = {(int(b), gen[int(b)].generation): (self.k_pool[:, int(b)].copy(),
-                                                             self.v_pool[:, int(b)].copy()) for b in full}
-
-    def _truncate(self, seq_id, new_len: int) -> None:
-        """The paged truncate; a quantized block the cut re-opens gets its saved rows back (or RollbackError)."""
-        table, bs = self.blocks.resident(seq_id).block_table, self.block_size
-        old = table[new_len // bs] if new_len % bs and self.quantized[table[new_len // bs]] else None
-        key = None if old is None else (old, self.allocator.blocks[old].generation)
-        if key is not None and key not in self._published:
-            raise RollbackError(f"truncating {seq_id!r} to {new_len} tokens re-opens block {old}, quantized "
-                                f"({self.kv_dtype}) before the last step: its full-precision rows are gone and "
-                                "decoding its codes would not be exact; truncate only tokens of the last step")
-        super()._truncate(seq_id, new_len)
-        if key is not None:
-            new = self.blocks.state(seq_id).block_table[new_len // bs]  # a fresh copy if the block was shared
-            self.k_pool[:, new], self.v_pool[:, new] = self._published[key]
-            self.quantized[new] = False
-            if new == old:  # that quantization is undone (a fresh copy was never counted)
-                self.quantize_count[new] -= 1
+        self._filling = np.zeros(0, np.int64)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """Paged attention with per-tile dequantization (q: [N, Hq, D] -> [N, Hq, D])."""
-        self._check_query(layer, q)
-        return quantized_paged_attention(q, *self.pools(layer), *self._views, self.blocks_per_tile)
+        step = self._check_query(layer, q)
+        return quantized_paged_attention(q, *self.stores(layer), self._step_tables, step.past + step.num_new,
+                                         step.num_new, self.blocks_per_tile)
 
     # -- inspection ---------------------------------------------------------------------------------
-    def pools(self, layer: int, host: bool = False) -> tuple[QuantizedPool, QuantizedPool]:
-        """Layer ``layer``'s K and V storage as ``QuantizedPool`` views (device or host)."""
+    def stores(self, layer: int, host: bool = False) -> tuple[QuantizedStore, QuantizedStore]:
+        """Layer ``layer``'s K and V storage (device or host pools) as ``QuantizedStore`` s."""
         pre = "host_" if host else ""
-        return tuple(QuantizedPool(getattr(self, f"{pre}{s}_pool")[layer], getattr(self, f"{pre}{s}_codes")[layer],
-                                   side) for s, side in (("k", self.format.k), ("v", self.format.v)))
+        return tuple(QuantizedStore(getattr(self, f"{pre}{s}_pool")[layer], getattr(self, f"{pre}{s}_codes")[layer],
+                                    side) for s, side in (("k", self.format.k), ("v", self.format.v)))
 
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The history as attention sees it (quantized blocks decoded): k, v [length, Hkv, D] (tests only)."""
@@ -271,10 +222,9 @@ class QuantizedPagedKVCache(PagedKVCache):
         s = self.blocks.state(seq_id)
         host = s.host_table is not None
         table = np.asarray(s.host_table if host else s.block_table, dtype=np.int64)
-        flags = self.host_quantized if host else self.quantized
-        table = np.where(flags[table], table + len(flags), table)  # quantized blocks: their decoded view
+        flags = (self.host_quantized if host else self.quantized)[table]  # quantized blocks: decoded
         flat = (-1, self.num_kv_heads, self.head_dim)
-        return tuple(dequantize_tile(p, table).reshape(flat)[:s.length] for p in self.pools(layer, host))
+        return tuple(store(table, flags).reshape(flat)[:s.length] for store in self.stores(layer, host))
 
     def stored_block(self, layer: int, block_id: int) -> tuple[bytes, bytes]:
         """The bytes that hold device block ``block_id`` of ``layer`` now (K, V): its codes once quantized,
@@ -307,10 +257,37 @@ class QuantizedPagedKVCache(PagedKVCache):
         return self.k_pool.nbytes + self.v_pool.nbytes + self.k_codes.nbytes + self.v_codes.nbytes + \
             self.quantized.nbytes
 
+    # --- NEW in step 7: rolling back (speculative decoding's truncate) -----------------------------
+    # A block the last step quantized can become a residual again: its rows are kept until the next
+    # step (``_reserve`` forgets them, ``_commit`` keeps them). The rest of this class never reads them.
+    def _keep_rows(self, full: np.ndarray) -> None:
+        """Keep the full-precision rows of the blocks being published until the next step (see the module
+        docstring); keyed by generation, so a block id handed out again never matches."""
+        gen = self.blocks.allocator.blocks
+        self._published = {(int(b), gen[int(b)].generation): (self.k_pool[:, int(b)].copy(),
+                                                             self.v_pool[:, int(b)].copy()) for b in full}
+
+    def _truncate(self, seq_id, new_len: int) -> None:
+        """The paged truncate; a quantized block the cut re-opens gets its saved rows back (or RollbackError)."""
+        table, bs = self.blocks.resident(seq_id).block_table, self.block_size
+        old = table[new_len // bs] if new_len % bs and self.quantized[table[new_len // bs]] else None
+        key = None if old is None else (old, self.blocks.allocator.blocks[old].generation)
+        if key is not None and key not in self._published:
+            raise RollbackError(f"truncating {seq_id!r} to {new_len} tokens re-opens block {old}, quantized "
+                                f"({self.kv_dtype}) before the last step: its full-precision rows are gone and "
+                                "decoding its codes would not be exact; truncate only tokens of the last step")
+        super()._truncate(seq_id, new_len)
+        if key is not None:
+            new = self.blocks.state(seq_id).block_table[new_len // bs]  # a fresh copy if the block was shared
+            self.k_pool[:, new], self.v_pool[:, new] = self._published[key]
+            self.quantized[new] = False
+            if new == old:  # that quantization is undone (a fresh copy was never counted)
+                self.quantize_count[new] -= 1
+    # --- end NEW in step 7 ---
+
 
 def dequantized_pools(cache: QuantizedPagedKVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """Every device block of ``layer`` decoded at once: k, v [num_blocks, bs, Hkv, D] (tests' reference only)."""
-    ids = np.where(cache.quantized, cache.num_blocks, 0) + np.arange(cache.num_blocks)
-    return tuple(dequantize_tile(p, ids) for p in cache.pools(layer))
+    return tuple(store(np.arange(cache.num_blocks), cache.quantized) for store in cache.stores(layer))
 
 

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minikv.errors import ConfigError
-from minikv.quant import codecs as quant_codecs
-from minikv.quant.codecs import Codec, codec
+from minikv.quant.codecs import GROUPED, QK, Codec, codec
 
 # kv_dtype -> (K codec, K axis, V codec, V axis); axis "token": groups along D of one token,
 # "channel": groups along the tokens of one channel (KIVI's keys)
@@ -120,7 +119,7 @@ def kv_format(kv_dtype: str, group: int, block_size: int, num_kv_heads: int, hea
     kc, ka, vc, va = KV_DTYPES[kv_dtype]
     sides = []
     for name, axis in ((kc, ka), (vc, va)):
-        c = codec(name, group if name in quant_codecs.GROUPED else quant_codecs.QK)
+        c = codec(name, group if name in GROUPED else QK)
         n, what = (head_dim, "head_dim") if axis == "token" else (block_size, "block_size (KIVI's residual)")
         if n % c.group:
             raise ConfigError(f"kv_dtype={kv_dtype!r}: {what}={n} is not a multiple of {c.name}'s group of "

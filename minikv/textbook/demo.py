@@ -15,10 +15,9 @@ def one_by_one(run):
     return lambda model, prompts, n: [run(model, ids, n) for ids in prompts]
 
 
-def greedy_with(make_cache):
-    """Greedy decoding (``s1_attention.greedy``) through ``make_cache(model, prompt + new tokens)``, per prompt."""
-    from minikv.textbook.s1_attention import greedy
-
+def greedy_with(greedy, make_cache):
+    """``greedy(model, cache, ids, n)`` (``s1_attention.greedy``) through ``make_cache(model, prompt + new tokens)``,
+    per prompt. (The loop is passed in, not imported: a lesson's main imports this module.)"""
     return one_by_one(lambda model, ids, n: greedy(model, make_cache(model, len(ids) + n), ids, n))
 
 

@@ -117,7 +117,7 @@ def greedy(model, cache, prompt_ids, max_new_tokens: int) -> list[int]:
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
 
-    return demo("step 1, no cache", greedy_with(lambda model, n: NoCache(**model.new_cache_args())),
+    return demo("step 1, no cache", greedy_with(greedy, lambda model, n: NoCache(**model.new_cache_args())),
                 engine(cache="none"), max_new_tokens)
 
 

@@ -167,8 +167,9 @@ class ContiguousCache(Cache):
 
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
+    from minikv.textbook.s1_attention import greedy
 
-    return demo("step 2, contiguous cache", greedy_with(lambda model, n: ContiguousCache(
+    return demo("step 2, contiguous cache", greedy_with(greedy, lambda model, n: ContiguousCache(
         **model.new_cache_args(), max_seqs=1, max_len=n, dtype=model.dtype)), engine(cache="contiguous"),
         max_new_tokens)
 

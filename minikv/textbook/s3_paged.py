@@ -124,8 +124,9 @@ class PagedCache(Cache):
 
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
+    from minikv.textbook.s1_attention import greedy
 
-    return demo("step 3, paged cache", greedy_with(lambda model, n: PagedCache(
+    return demo("step 3, paged cache", greedy_with(greedy, lambda model, n: PagedCache(
         **model.new_cache_args(), num_blocks=-(-n // 16), block_size=16, dtype=model.dtype)),
         engine(cache="paged", block_size=16), max_new_tokens)
 

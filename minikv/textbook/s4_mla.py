@@ -86,8 +86,9 @@ def random_deepseek():
 
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
+    from minikv.textbook.s1_attention import greedy
 
-    return demo("step 4, MLA latent cache (random model)", greedy_with(lambda model, n: LatentCache(
+    return demo("step 4, MLA latent cache (random model)", greedy_with(greedy, lambda model, n: LatentCache(
         **model.new_cache_args(), max_seqs=1, max_len=n, dtype=model.dtype)), engine(cache="contiguous"),
         max_new_tokens, questions=([5, 17, 3, 88, 41, 9],), load=random_deepseek)
 

@@ -106,8 +106,9 @@ class QuantCache(PagedCache):
 
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
+    from minikv.textbook.s1_attention import greedy
 
-    return demo("step 5, q8_0 paged cache", greedy_with(lambda model, n: QuantCache(
+    return demo("step 5, q8_0 paged cache", greedy_with(greedy, lambda model, n: QuantCache(
         **model.new_cache_args(), num_blocks=-(-n // 16), block_size=16, dtype=model.dtype)),
         engine(cache="paged", block_size=16, kv_dtype="int8"), max_new_tokens)
 

@@ -98,8 +98,9 @@ class RingCache(Cache):
 
 def main(max_new_tokens: int = 16):
     from minikv.textbook.demo import demo, engine, greedy_with
+    from minikv.textbook.s1_attention import greedy
 
-    return demo("step 6, window 32 with 4 sinks", greedy_with(lambda model, n: RingCache(
+    return demo("step 6, window 32 with 4 sinks", greedy_with(greedy, lambda model, n: RingCache(
         **model.new_cache_args(), window=32, sinks=4, max_seqs=1, dtype=model.dtype)),
         engine(cache="window", eviction=dict(window=32, sinks=4)), max_new_tokens)
 

@@ -60,6 +60,6 @@ class OffloadPolicy(PagedPolicy):
             return
         if self.prefetch and self.lookahead:
             # leave one free block per running sequence for its next token
-            room = cache.num_free_blocks - len(sched.running) - sched.watermark_blocks
+            room = cache.blocks.num_free - len(sched.running) - sched.watermark_blocks
             self.tier.prefetch([s.tokens for s in sched.waiting[:self.lookahead]], max(room, 0))
         self.tier.end_step(seconds)

@@ -46,7 +46,7 @@ synchronous staged copies, so a tier already runs there). An asynchronous versio
 ``CacheStorage`` and is passed as ``OffloadTier(..., storage=...)``: the storage moves the host
 pools (codes included) into pinned memory, both copy kinds are issued on a copy stream with one
 event recorded per batch; ``before_step`` makes the compute stream wait on the pending events, and
-the device cache calls ``self.blocks.tier.storage.before_step()`` at the end of its ``_reserve``
+the storage installs it as the device cache's ``wait_for_copies``, which the cache calls at the end of its ``_reserve``
 (after the step's allocations demoted what they evict, before ``write`` overwrites those blocks
 or ``attend`` reads promoted ones); ``release_host`` keeps a host block out of ``host_allocator``
 until the event of the last copy reading or writing it has completed. ``minikv_gpu.tiers`` is that
@@ -61,6 +61,7 @@ from typing import Sequence
 from minikv.errors import ConfigError, InvalidInputError, check_choice, check_int
 from minikv.paged.allocator import Block
 from minikv.paged.cache import PagedKVCache
+from minikv.paged.manager import no_host_hit
 from minikv.tiers.policies import LRU, POLICIES, SeenTwice, make_policy
 
 
@@ -136,7 +137,7 @@ class CacheStorage:
 
     def release_host(self, host_id: int) -> None:
         """A host block leaves the tier; give it back once no copy still reads it (here: at once)."""
-        self.cache.host_allocator.decref(host_id)
+        self.cache.blocks.host_allocator.decref(host_id)
 
 
 @dataclass
@@ -173,24 +174,24 @@ class OffloadTier:
                                          else cache.bytes_allocated() // cache.num_blocks)
         self.cache, self.policy = cache, policy
         self.storage = CacheStorage(cache) if storage is None else storage
-        self.allocator, self.host_allocator = cache.allocator, cache.host_allocator
+        self.allocator, self.host_allocator = cache.blocks.allocator, cache.blocks.host_allocator
         self.entries: dict = {}        # chain hash -> HostEntry
         self._prefetched: set = set()  # chain hashes promoted ahead of time, not yet used
         self._step = _StepBytes()
         self._in_prefetch = False
         self._carry_s = 0.0            # prefetch time the last step could not hide
         self.stats = TierStats()
-        cache.blocks.tier = self
-        self.allocator.on_evict = self._on_evict
+        cache.blocks.extend_hit = self.extend_hit  # the tier installs its two hooks: hits continue on the host,
+        self.allocator.on_evict = self._on_evict  # and evicted blocks come here before they are overwritten
 
     @staticmethod
     def _check_cache(cache) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"an offload tier needs a PagedKVCache, got {type(cache).__name__}")
-        if cache.num_host_blocks < 1 or not cache.enable_prefix_caching:
+        if cache.num_host_blocks < 1 or not cache.blocks.allocator.enable_prefix_caching:
             raise ConfigError("an offload tier needs a host pool and prefix caching: build the cache with "
                               "num_host_blocks > 0 and enable_prefix_caching=True")
-        if cache.seq_ids() or cache.blocks.tier is not None or cache.allocator.on_evict is not None:
+        if cache.seq_ids() or cache.blocks.extend_hit is not no_host_hit or cache.blocks.allocator.on_evict is not None:
             raise ConfigError("attach the offload tier to a fresh cache (no sequences, no other tier)")
 
     # -- demote: the allocator evicts a cached-free block ----------------------------------------

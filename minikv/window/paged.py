@@ -19,7 +19,7 @@ Blocks go back
 --------------
 Dropping a key frees nothing by itself: its slot is in the middle of a block. Once *every* token
 of a full block is dropped in every layer and KV head, nothing can read the block any more and the
-sequence gives it back (``BlockManager.release_block``; the table entry becomes a ``HOLE``), as
+sequence gives it back (``EvictingBlockManager.release_block``; the table entry becomes a ``HOLE``), as
 vLLM does for sliding windows. A window cache then holds about W / bs + 2 blocks however long the
 text, and the scheduler sees the freed blocks as room to admit more. (H2O keeps scattered keys
 per head, so its blocks rarely empty: paging saves it little; SnapKV frees the prompt's blocks
@@ -44,10 +44,10 @@ import copy
 import numpy as np
 
 from minikv.errors import ConfigError, InvalidInputError
-from minikv.paged.allocator import num_blocks_for
+from minikv.paged.allocator import ceil_div, num_blocks_for
 from minikv.paged.attention import default_blocks_per_tile
 from minikv.paged.cache import PagedKVCache
-from minikv.paged.manager import HOLE
+from minikv.window.manager import HOLE, EvictingBlockManager
 from minikv.window.ring import (
     NEVER,
     Policy,
@@ -123,26 +123,26 @@ class PagedEvictingKVCache(PagedKVCache):
         self._attended: set = set()  # layers that attended in the open step
         self._masses: dict = {}  # (layer, step index) -> (mass [Hkv, n], seen [Hkv, n]) of the open step
 
-    # -- sequences: the manager's bookkeeping, plus ours ---------------------------------------
-    def add_sequence(self, seq_id, prompt_ids=None) -> int:
-        n = super().add_sequence(seq_id, prompt_ids)
-        self._books[seq_id] = _Book(self.num_layers, self.num_kv_heads, n, self.log)
-        return n
+    def _new_manager(self, *args) -> EvictingBlockManager:
+        return EvictingBlockManager(*args)  # tables with holes: blocks go back to the pool mid-sequence
 
-    def try_add_sequence(self, seq_id, prompt_ids, free_blocks: int):
-        got = super().try_add_sequence(seq_id, prompt_ids, free_blocks)
-        if got is not None:
-            self._books[seq_id] = _Book(self.num_layers, self.num_kv_heads, got[0], self.log)
-        return got
+    # -- sequences: the manager's bookkeeping, plus ours ---------------------------------------
+    def _book(self, seq_id) -> _Book:
+        """The sequence's eviction bookkeeping, started on first use with every cached token alive (a
+        sequence added by ``add_sequence``, or admitted by the scheduler through ``blocks.admit``)."""
+        if seq_id not in self._books:
+            self._books[seq_id] = _Book(self.num_layers, self.num_kv_heads, self.length(seq_id), self.log)
+        return self._books[seq_id]
 
     def free_sequence(self, seq_id) -> None:
         super().free_sequence(seq_id)
-        del self._books[seq_id]
+        self._books.pop(seq_id, None)
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares the parent's blocks and starts from a copy of its bookkeeping."""
+        book = self._book(parent_id)
         super().fork(parent_id, child_id)
-        self._books[child_id] = self._books[parent_id].copy()
+        self._books[child_id] = book.copy()
 
     def _truncate(self, seq_id, new_len: int) -> None:
         raise truncate_refusal(self.policy, seq_id)
@@ -151,7 +151,7 @@ class PagedEvictingKVCache(PagedKVCache):
     def _tiles(self, layer: int, i: int, book: _Book, n: int, t: int) -> list:
         """Tiles (k [Hkv, K, D], v, k_pos [Hkv, K]) of sequence i's real blocks; k_pos -1 = not alive."""
         bs, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
-        table = self._step_tables[i, :-(-n // bs)].astype(np.int64)
+        table = self._step_tables[i, :ceil_div(n, bs)].astype(np.int64)
         real = np.flatnonzero(table != HOLE)  # a hole holds no alive key: skip it
         alive = np.concatenate([book.alive[layer], np.ones((hkv, t), dtype=bool)], -1)   # [Hkv, n]
         per = self.blocks_per_tile or default_blocks_per_tile(bs)
@@ -174,7 +174,7 @@ class PagedEvictingKVCache(PagedKVCache):
         for i, sid in enumerate(step.seq_ids):
             r, past, t = step.rows(i), int(step.past[i]), int(step.num_new[i])
             q_pos = step.positions[r]
-            tiles = self._tiles(layer, i, self._books[sid], past + t, t)
+            tiles = self._tiles(layer, i, self._book(sid), past + t, t)
             if self.rotates_in_cache:
                 k, v, kp = (np.concatenate(x, 1) for x in zip(*tiles))
                 out[r] = attend_in_cache(q[r], k, v, kp, q_pos, self.policy.visible, self.rope)
@@ -213,7 +213,7 @@ class PagedEvictingKVCache(PagedKVCache):
 
     def _settle(self, i: int, sid, step) -> None:
         """Fold the step into one sequence's bookkeeping: scores, the policy's drops (logged), sharing."""
-        b, past, t = self._books[sid], int(step.past[i]), int(step.num_new[i])
+        b, past, t = self._book(sid), int(step.past[i]), int(step.num_new[i])
         last = past + t - 1
         b.grow(t)
         pos = np.where(b.alive, np.arange(past + t), -1)                    # [L, Hkv, n]
@@ -239,7 +239,7 @@ class PagedEvictingKVCache(PagedKVCache):
 
     def _release_dead(self, sid) -> None:
         """Give back every full block none of whose tokens is alive in any layer and KV head."""
-        b, s, bs = self._books[sid], self.blocks.state(sid), self.block_size
+        b, s, bs = self._book(sid), self.blocks.state(sid), self.block_size
         full = s.length // bs
         if full == 0:
             return
@@ -257,19 +257,18 @@ class PagedEvictingKVCache(PagedKVCache):
         if not isinstance(self.policy, WindowPolicy):
             return full
         bs, w, s = self.block_size, self.policy.window, self.policy.sinks
-        window = -(-s // bs) + (-(-(w - s - 1) // bs) + 1) + 1
+        window = ceil_div(s, bs) + (ceil_div(w - s - 1, bs) + 1) + 1
         return min(full, max(num_blocks_for(prompt_len, bs) + 1, window))
 
     def kept_positions(self, seq_id, layer: int) -> list[np.ndarray]:
         """The positions each KV head keeps at ``layer``, sorted: Hkv arrays."""
         self._check_layer(layer)
         self.blocks.state(seq_id)  # UnknownSequenceError for an unknown id
-        return [np.flatnonzero(a) for a in self._books[seq_id].alive[layer]]
+        return [np.flatnonzero(a) for a in self._book(seq_id).alive[layer]]
 
     def evicted_at(self, seq_id) -> np.ndarray:
         """[L, Hkv, n]: the first query position that no longer saw each key (NEVER: still kept)."""
-        self.blocks.state(seq_id)
-        b = self._books[seq_id]
+        b = self._book(seq_id)
         if b.evicted_at is None:
             raise ConfigError("this cache was built with log=False, so it kept no eviction log")
         return b.evicted_at.copy()
@@ -284,8 +283,8 @@ class PagedEvictingKVCache(PagedKVCache):
     def _live_slots(self) -> dict:
         """Device block id -> [L, Hkv, bs] bool: the (layer, head, slot)s some holder still reads."""
         bs, live = self.block_size, {}
-        for sid, b in self._books.items():
-            s = self.blocks.state(sid)
+        for sid, s in self.blocks.seqs.items():
+            b = self._book(sid)
             for j, bid in enumerate(s.block_table):  # empty while swapped out
                 if bid == HOLE:
                     continue

@@ -30,7 +30,7 @@
 //       lane dequantizes its 8 values (one record's scale and 8 codes) in registers, all G queries
 //       of the group in registers, online softmax per subgroup, decode_v3::finish for the merge.
 //       A key of block j is read from the codes iff the block is full at the row's position,
-//       (j+1)*block_size <= pos+1 (minikv.quant.view_tables' rule), else from the residual pool.
+//       (j+1)*block_size <= pos+1 (minikv.quant.cache.QuantizedStore's rule), else from the residual pool.
 //       Loss, known: a 34-byte record (q8_0, fp8 group 32) leaves the codes 2-byte aligned, so a lane
 //       reads its 8 codes as four 2-byte loads plus one for the scale instead of one 16-byte load.
 //       The bytes read are what counts for a bandwidth-bound kernel, but the load count is 5x.
@@ -356,7 +356,7 @@ __device__ __forceinline__ void step(const Rows& rows, int key0, int k_end, int 
 // ---------------------------------------------------------------------------
 // quant_decode_attention_v3: block (n, h, z) attends the GQA_GROUP queries of row n, KV head h,
 // over keys [z*keys_per_split, (z+1)*keys_per_split) ∩ [0, token_pos[n]] of sequence token_seq[n]:
-// full blocks from the codes, the open block from the residual (as minikv.quant.view_tables).
+// full blocks from the codes, the open block from the residual (as minikv.quant.cache.QuantizedStore).
 // Rows may be prefill rows too (each has its own position). n_splits == 1: out normalized; else
 // split partials (split_k.cuh's layout) for attention_reduce_v2.
 //

@@ -163,7 +163,7 @@ def test_offload_then_reload_is_bit_identical(sim_rt, kv_dtype, dtype, deferred)
     p = rng.integers(0, 60, 4 * BS + 1).tolist()  # 4 full blocks + 1 token
     cache.add_sequence("a", p)
     model.forward([p], cache, ["a"])
-    before = [block_bytes(cache, b) for b in cache.block_table("a").tolist()[:4]]
+    before = [block_bytes(cache, b) for b in cache.blocks.table("a").tolist()[:4]]
     cache.free_sequence("a")
     other = rng.integers(0, 60, 6 * BS).tolist()  # 6 blocks: evicts all four
     cache.add_sequence("b", other)
@@ -176,7 +176,7 @@ def test_offload_then_reload_is_bit_identical(sim_rt, kv_dtype, dtype, deferred)
     cache.free_sequence("b")
     assert cache.add_sequence("c", p) == 4 * BS and tier.stats.promoted == 4
     storage.before_step()  # what the next step's _reserve does: raw reads of the pools come after the copies
-    assert [block_bytes(cache, b) for b in cache.block_table("c").tolist()] == before
+    assert [block_bytes(cache, b) for b in cache.blocks.table("c").tolist()] == before
 
 
 # -- the ordering protocol ------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_a_host_block_is_not_handed_out_again_before_the_copy_reading_it_ran(sim
     rt = sim_rt
     cache = make_cache(rt, 4, 3)
     storage = AsyncCacheStorage(cache, rt.stream(deferred=True))
-    hosts = cache.host_allocator
+    hosts = cache.blocks.host_allocator
     h = hosts.allocate()
     storage.demote([0], [h])
     storage.promote([h], [1], prefetch=False)  # the host block is read by a copy that has not run
@@ -242,12 +242,12 @@ def test_release_waits_for_the_copy_when_the_host_pool_would_run_dry(sim_rt):
     rt = sim_rt
     cache = make_cache(rt, 4, 1)
     storage = AsyncCacheStorage(cache, rt.stream(deferred=True))
-    h = cache.host_allocator.allocate()
+    h = cache.blocks.host_allocator.allocate()
     storage.demote([2], [h])  # a demotion still writing the block counts too
     assert storage.stream.ran == 0
     storage.release_host(h)
     assert storage.forced_waits == 1 and storage.stream.ran == storage.stream.issued
-    assert cache.host_allocator.num_free == 1 and storage.held_host_blocks() == []
+    assert cache.blocks.host_allocator.num_free == 1 and storage.held_host_blocks() == []
 
 
 def test_a_missing_wait_gives_wrong_numbers_on_a_deferred_stream(sim_rt):

@@ -273,7 +273,7 @@ class ModelTwin:
         assert rel_err(got, want) <= LOGIT_RTOL
         assert np.array_equal(got.argmax(-1), want.argmax(-1))
         for sid in seq_ids:  # same bookkeeping
-            assert self.c_gpu.block_table(sid).tolist() == self.c_cpu.block_table(sid).tolist()
+            assert self.c_gpu.blocks.table(sid).tolist() == self.c_cpu.blocks.table(sid).tolist()
         return got, want
 
     def assert_storage_equal(self, tol=0.0):
@@ -293,12 +293,12 @@ def test_model_on_gpu_paged_cache_equals_numpy_with_fork_and_copy_on_write(rt, b
     tw.forward([rng.integers(0, 101, 2 * block_size + 1), rng.integers(0, 101, 3)], ["a", "b"], all_logits=True)
     tw.forward([[7], [8]], ["a", "b"])
     tw.both("fork", "a", "c")  # "a" holds 2*bs + 2 tokens: its last block is shared and partly filled
-    free = tw.c_gpu.num_free_blocks
+    free = tw.c_gpu.blocks.num_free
     tw.forward([[9], [10], [11]], ["a", "b", "c"])
     expect_copy = 1 if (2 * block_size + 2) % block_size else 0  # bs 1 (and 2): the fork sits on a boundary
-    assert tw.c_cpu.cow_copies == tw.c_gpu.cow_copies == expect_copy
-    assert tw.c_gpu.block_table("a")[:-1].tolist() == tw.c_gpu.block_table("c")[:-1].tolist()
-    assert tw.c_gpu.num_free_blocks == tw.c_cpu.num_free_blocks <= free - expect_copy
+    assert tw.c_cpu.blocks.cow_copies == tw.c_gpu.blocks.cow_copies == expect_copy
+    assert tw.c_gpu.blocks.table("a")[:-1].tolist() == tw.c_gpu.blocks.table("c")[:-1].tolist()
+    assert tw.c_gpu.blocks.num_free == tw.c_cpu.blocks.num_free <= free - expect_copy
     for t in range(3):
         tw.forward([[12 + t], [20 + t], [30 + t]], ["a", "b", "c"])
     tw.assert_storage_equal(tol=1e-5)
@@ -327,8 +327,8 @@ def test_prefix_hit_gives_the_same_logits(rt):
     for sid, prompt in (("a", a), ("b", b)):
         cached = tw.both("add_sequence", sid, prompt_ids=prompt)
         got, _ = tw.forward([prompt[cached:]], [sid], all_logits=True)
-    assert cached == 12 and tw.c_gpu.prefix_hit_tokens == 12
-    assert set(tw.c_gpu.block_table("b")[:3].tolist()) == set(tw.c_gpu.block_table("a")[:3].tolist())
+    assert cached == 12 and tw.c_gpu.blocks.prefix_hit_tokens == 12
+    assert set(tw.c_gpu.blocks.table("b")[:3].tolist()) == set(tw.c_gpu.blocks.table("a")[:3].tolist())
     plain = gpu.PagedKVCache(**tw.cpu.new_cache_args(), num_blocks=10, block_size=4, runtime=rt,
                              enable_prefix_caching=False)
     plain.add_sequence("b")
@@ -345,7 +345,7 @@ def test_swap_out_and_in_through_copy_blocks(rt, dtype):
     tw.forward([rng.integers(0, 101, 11)], ["s"])
     before = [tw.c_gpu.read_kv("s", layer) for layer in range(2)]
     tw.both("swap_out", "s")
-    assert tw.c_gpu.is_swapped("s") and tw.c_gpu.num_free_blocks == 8
+    assert tw.c_gpu.blocks.is_swapped("s") and tw.c_gpu.blocks.num_free == 8
     tw.both("add_sequence", "x")  # scribble over the device pool meanwhile
     tw.forward([rng.integers(0, 101, 30)], ["x"])
     tw.both("free_sequence", "x")
@@ -366,7 +366,7 @@ def test_cache_errors(rt):
     with pytest.raises(OutOfBlocksError, match="needs 4 new blocks"):
         with c.step([0], [13]):
             pass
-    assert c.length(0) == 0 and c.num_free_blocks == 3
+    assert c.length(0) == 0 and c.blocks.num_free == 3
     with pytest.raises(RuntimeError, match="abort"), c.step([0], [2]):
         with pytest.raises(ShapeError, match="expected"):
             c.write(0, ones(2, 3, 16), ones(2, 3, 16))
@@ -377,7 +377,7 @@ def test_cache_errors(rt):
         with pytest.raises(ConfigError, match="version"):
             c.attend(0, ones(2, 6, 16), version=0)
         raise RuntimeError("abort")
-    assert c.length(0) == 0 and c.num_free_blocks == 3
+    assert c.length(0) == 0 and c.blocks.num_free == 3
     args = dict(num_layers=1, num_kv_heads=1, num_blocks=2, runtime=rt)
     with pytest.raises(DTypeError, match="float64"):
         gpu.PagedKVCache(head_dim=64, dtype=np.float64, **args)

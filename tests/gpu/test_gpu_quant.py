@@ -151,7 +151,7 @@ def test_fork_and_copy_on_write_copy_codes(rt):
         c.fork("a", "c")
     tw.step(["a", "c"], [1, 1])
     tw.step(["a", "c"], [1, 3])
-    assert tw.cpu.cow_copies == tw.gpu.cow_copies == 1
+    assert tw.cpu.blocks.cow_copies == tw.gpu.blocks.cow_copies == 1
 
 
 @pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("kivi2", 8)])
