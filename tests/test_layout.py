@@ -301,3 +301,14 @@ def test_public_names_are_pinned_and_import(package):
         f"removed {sorted(set(PUBLIC[package]) - set(mod.__all__))}; public imports must stay stable"
     missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{package} lists {missing} but does not define them"
+
+
+def test_the_reading_map_names_every_lesson_and_chapter():
+    """``minikv/__init__.py``'s docstring is the reading map: every lesson and every chapter folder is on it."""
+    import minikv
+    from minikv.textbook import LESSONS
+
+    missing = [n for n in LESSONS if n not in minikv.__doc__]
+    chapters = sorted(p.name for p in (ROOT / "minikv").iterdir() if (p / "__init__.py").exists())
+    missing += [f"{c}/" for c in chapters if f"{c}/" not in minikv.__doc__]
+    assert not missing, f"the reading map in minikv/__init__.py lacks {missing}"

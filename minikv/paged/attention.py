@@ -88,9 +88,12 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     load_v = gather_blocks(v_pool) if load_v is None else load_v
     state = online_softmax.start((n, hkv, g), d, dt)
     for start in range(0, int(visible.max()), span):
-        rows = np.flatnonzero(visible > start)  # queries that see at least one key of this tile
+        # Only the queries that see a key of this tile take part: a prefill's early queries skip the
+        # later tiles (1.7x faster for a 512-token prefill, 2.1x for a batch of 8 decodes of 64..1024
+        # tokens: benchmarks/results/fast_paths.json); when all do, views replace fancy-indexed copies.
+        rows = np.flatnonzero(visible > start)
         r = rows.size
-        rows = slice(None) if r == n else rows  # all of them: views instead of fancy-indexed copies
+        rows = slice(None) if r == n else rows
         blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
         full = (start // bs + np.arange(tile) + 1) * bs <= visible[rows, None]  # [R, tile] block full at the query
         kb = load_k(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]

@@ -65,7 +65,7 @@ def striped_state(q: np.ndarray, keys: np.ndarray, key_pos: np.ndarray, query_po
         mask = key_pos[None, k0: k0 + key_tile] <= query_pos[:, None]                   # [T, K]
         online_softmax.update(state, q_lat @ lat.T, lat[:, :r], mask, overwrite=True)
     acc = state.acc @ up.w_uv                                                           # [Hq, T, Dv]
-    return online_softmax.State(state.m.T, state.l.T, acc.transpose(1, 0, 2), state.seen)
+    return online_softmax.State(state.m.T, state.l.T, acc.transpose(1, 0, 2))
 
 
 class StripedLatentCache(KVCacheBase):
@@ -146,7 +146,7 @@ class StripedLatentCache(KVCacheBase):
                                         step.positions[rows], self.up[layer], self.mla)
         packed = np.concatenate([state.m[..., None], state.l[..., None], state.acc], axis=-1)  # [N, Hq, Dv + 2]
         parts = self.group.allgather(packed)                                                  # [cp, N, Hq, Dv + 2]
-        merged = reduce(online_softmax.merge, [online_softmax.State(p[..., 0], p[..., 1], p[..., 2:], True)
+        merged = reduce(online_softmax.merge, [online_softmax.State(p[..., 0], p[..., 1], p[..., 2:])
                                                for p in parts])
         return online_softmax.finish(merged)
 
