@@ -21,7 +21,7 @@ I = MLP width, V = vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -306,12 +306,14 @@ class Model:
                                     "the model was not trained this long")
 
     def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None,
-                all_logits: bool = False) -> np.ndarray:
+                all_logits: bool = False, then: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Run the new tokens of several sequences through the model.
 
         tokens:  B lists of new token ids (sequence i brings T_i tokens)
         cache:   any ``KVCacheBase``; the sequences must already be added to it
         seq_ids: B cache ids (default 0..B-1)
+        then:    ``then(logits)`` runs before the step commits; if it raises, the step rolls back
+                 (the scheduler samples there, so that a sampler that fails loses no request)
         returns: logits [B, V] of each sequence's last token, or [N, V] for every
                  packed token if ``all_logits`` (N = sum T_i)
         """
@@ -331,6 +333,8 @@ class Model:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]
             logits = rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head.T
+            if then is not None:
+                then(logits)
         assert logits.dtype == self.dtype, logits.dtype  # no silent float64 promotion
         return logits
 

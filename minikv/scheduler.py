@@ -400,18 +400,34 @@ class Scheduler:
             budget -= min(s.pending, budget)
 
     def _forward(self, seqs: list, nums: list) -> list:
-        """Phase 3: one packed forward pass; sample for every sequence whose pending tokens are all in."""
+        """Phase 3: one packed forward pass; a token for every sequence whose pending tokens are all in.
+
+        The tokens are sampled before the cache commits the step (``Model.forward``'s ``then``): a
+        sampler that raises rolls the step back and leaves every request as it was (its rng too), so
+        the next ``step()`` runs the same tokens again. Nothing below that can fail changes state.
+        """
         toks = [s.tokens[s.num_computed:s.num_computed + n] for s, n in zip(seqs, nums, strict=True)]
-        logits = self.model.forward(toks, self.cache, [s.request.id for s in seqs])  # [B, V]: last fed token
+        picks: dict = {}  # index in seqs -> the token sampled for it
+
+        def sample_all(logits: np.ndarray) -> None:  # [B, V]: each sequence's last fed token
+            saved = [(s, s.rng.bit_generator.state) for s in seqs if s.rng is not None]
+            try:
+                for i, (s, n, row) in enumerate(zip(seqs, nums, logits, strict=True)):
+                    if s.pending == n:  # this chunk completes what was pending (not a partial prefill)
+                        picks[i] = self._sample(s, row)
+            except BaseException:
+                for s, state in saved:
+                    s.rng.bit_generator.state = state
+                picks.clear()
+                raise
+
+        self.model.forward(toks, self.cache, [s.request.id for s in seqs], then=sample_all)
         done = []
-        for s, n, row in zip(seqs, nums, logits, strict=True):
+        for i, (s, n) in enumerate(zip(seqs, nums, strict=True)):
             s.num_computed += n
-            if s.pending:  # a prefill chunk: the prompt is not finished yet
+            if i not in picks:  # a prefill chunk: the prompt is not finished yet
                 continue
-            if self.sample_fn is None:
-                tok = sample(row, s.request.sampling, s.rng)
-            else:
-                tok = int(self.sample_fn(row, s.request))
+            tok = picks[i]
             s.tokens.append(tok)
             self.cache.blocks.extend_token_ids(s.request.id, [tok])
             self.stats.generated_tokens += 1
@@ -419,6 +435,16 @@ class Scheduler:
             if len(s.tokens) - s.num_prompt >= s.request.max_new_tokens or (eos is not None and tok == eos):
                 done.append(s)
         return done
+
+    def _sample(self, s: _Seq, row: np.ndarray) -> int:
+        if self.sample_fn is None:
+            return sample(row, s.request.sampling, s.rng)
+        tok = self.sample_fn(row, s.request)
+        vocab = self.model.config.vocab_size
+        if not isinstance(tok, (int, np.integer)) or isinstance(tok, bool) or not 0 <= tok < vocab:
+            raise InvalidInputError(f"sample_fn returned {tok!r} for request {s.request.id!r}; it must return a "
+                                    f"token id in [0, {vocab})")
+        return int(tok)
 
     def _retire(self, done: list) -> None:
         for s in done:

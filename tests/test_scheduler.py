@@ -88,9 +88,9 @@ class Spy:
     def __getattr__(self, name):
         return getattr(MODEL, name)
 
-    def forward(self, tokens, cache, seq_ids=None, all_logits=False):
+    def forward(self, tokens, cache, seq_ids=None, all_logits=False, then=None):
         self.calls.append([len(t) for t in tokens])
-        return MODEL.forward(tokens, cache, seq_ids, all_logits)
+        return MODEL.forward(tokens, cache, seq_ids, all_logits, then)
 
 
 def test_prefill_and_decode_share_a_forward_pass():
@@ -258,3 +258,72 @@ def test_seeded_sampling_in_a_batch_gives_the_tokens_generate_gives_alone(num_bl
         assert s.stats.preemptions > 0
     with pytest.raises(InvalidInputError, match="SamplingParams"):
         s.add_request(Request("x", [1], 1, sampling="greedy"))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def run_through_failures(s, requests, fail_at: set) -> tuple[dict, int]:
+    """Step until done; the scheduler's sampler raises on its calls numbered in ``fail_at`` (each once)."""
+    for r in requests:
+        s.add_request(r)
+    failures = 0
+    while s.has_work():
+        try:
+            s.step()
+        except Boom:
+            failures += 1
+    return {rid: list(q.output) for rid, q in s.finished.items()}, failures
+
+
+@pytest.mark.parametrize("num_blocks", [9, 200])
+def test_a_sampler_that_raises_mid_step_loses_no_request_and_changes_no_token(num_blocks):
+    """The step samples every sequence before the cache commits: a failure part-way rolls the step back, so
+    the next step runs the same tokens again (today's bug: the request was lost and later ones fed twice)."""
+    calls = []
+
+    def flaky(logits, request):
+        calls.append(request.id)
+        if len(calls) in (5, 9, 23):  # inside batched steps: some sequences of the step already sampled
+            raise Boom(f"sampler failure at call {len(calls)}")
+        return int(np.argmax(logits))
+
+    s = scheduler(num_blocks, sample_fn=flaky)
+    got, failures = run_through_failures(s, REQUESTS, {5, 9, 23})
+    assert failures == 3
+    assert got == UNLIMITED
+    assert s.cache.blocks.num_free == num_blocks and not s.running and not s.waiting
+
+
+def test_a_failed_step_restores_each_seeded_rng(monkeypatch):
+    """Seeded sampling through a step that fails part-way: each request's rng is put back, so the tokens are
+    still the ones ``generate`` gives it alone."""
+    import minikv.scheduler as sched_mod
+    from minikv.generate import generate
+    from minikv.sampling import SamplingParams
+
+    reqs = [Request(f"s{i}", r.prompt_ids, r.max_new_tokens, MODEL.config.eos_token_id,  # as generate stops
+                    sampling=SamplingParams(temperature=1.2, seed=i)) for i, r in enumerate(REQUESTS[:5])]
+    real, calls = sched_mod.sample, []
+
+    def flaky(logits, params, rng=None):
+        tok = real(logits, params, rng)  # the draw happens (the rng moves), then the failure
+        calls.append(tok)
+        if len(calls) in (4, 11):
+            raise Boom("after drawing")
+        return tok
+
+    monkeypatch.setattr(sched_mod, "sample", flaky)
+    got, failures = run_through_failures(scheduler(200), reqs, {4, 11})
+    assert failures == 2
+    for r in reqs:
+        assert got[r.id] == generate(MODEL, r.prompt_ids, r.max_new_tokens, sampling=r.sampling).token_ids
+
+
+def test_a_sample_fn_returning_no_token_id_is_refused_before_the_step_commits():
+    s = scheduler(200, sample_fn=lambda logits, request: MODEL.config.vocab_size)
+    s.add_request(REQUESTS[0])
+    with pytest.raises(InvalidInputError, match="sample_fn returned"):
+        s.step()
+    assert s.cache.length(REQUESTS[0].id) == 0  # the prefill was rolled back
