@@ -146,7 +146,7 @@ def run_window(rt, smoke: bool, timer: Timer, copy_gbs: float = float("nan")) ->
         version, want_mass, rot = opts["version"], opts.get("want_mass", False), opts.get("rope", False)
         try:
             full = window_decode(q, kv[0][0], kv[0][1], pos, q_pos, w, case.sinks, rope if rot else None,
-                                 want_mass, rt, version)
+                                 want_mass, version=version, runtime=rt)
             out = rt.asnumpy(full[0] if want_mass else full)
             entry: dict = {"version": version, "mass": want_mass, "in_cache_rope": rot}
             for i, r in enumerate(rows):

@@ -32,8 +32,8 @@ from minikv.errors import ConfigError
 from minikv.kv_cache import Step
 from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
 from minikv_gpu import paged as _gpu_paged
-from minikv_gpu.kv_cache import v3_refusal
-from minikv_gpu.runtime import check_device_query, check_device_rows, check_version, device_f32, head_dim_defines
+from minikv_gpu import versions
+from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, head_dim_defines, multiprocessors
 
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
@@ -66,19 +66,31 @@ def quantize_blocks(rt, defines: dict, k_pool, v_pool, k_codes, v_codes, blocks)
          (k_pool, v_pool, k_codes, v_codes, blocks, np.int32(bs), np.int32(hkv)))
 
 
+QUANT_VERSIONS = (3, 4)  # quant_decode_attention_v3 / _v4: the register-resident decode loops
+
+
+def quant_dims(version: int, defines: dict, group: int) -> int:
+    """Dims per lane of quant_decode_attention_v<version> (quant.cu's V4_DIMS; v3 always 8)."""
+    row = 16 if version == 4 and defines["HEAD_DIM"] == 128 and group <= 4 else 8
+    return 16 if row == 16 and defines["GROUP"] % 16 == 0 else 8
+
+
 def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos, max_context: int,
-          partition_size: int):
-    """Buffers of one ``quant_decode_attention_v3`` launch; returns ``launch()`` -> out [N, Hq, D] float32."""
+          partition_size: int, version: int):
+    """Buffers of one ``quant_decode_attention_v<version>`` launch; returns ``launch()`` -> out [N, Hq, D] float32."""
     xp = rt.xp
     n, hq, d = q.shape
     _, bs, hkv, _ = k_res.shape
     group = hq // hkv
-    parts, per = _gpu_paged.v3_partitions(max_context, n * hkv, group, partition_size, rt)
+    per_sm = versions.blocks_per_sm(version, group, quant_dims(version, defines, group))
+    parts, per = versions.split_plan(max_context, n * hkv, per_sm, multiprocessors(rt), tile=_gpu_paged.KEY_TILE,
+                            min_keys=partition_size)
     out = xp.empty((n, hq, d), dtype=np.float32)
     shape = (n, hq, parts) if parts > 1 else (1, 1, 1)
     partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                 xp.empty(shape + (d,), dtype=np.float32))
-    kern = rt.kernel("quant", "quant_decode_attention_v3", defines={**defines, "GQA_GROUP": int(group)})
+    kdefs = {**versions.decode_defines(defines, group), **_gpu_paged.block_defines(bs)}
+    kern = rt.kernel("quant", f"quant_decode_attention_v{version}", defines=kdefs)
     args = (q, k_res, v_res, k_codes, v_codes, tables, seq, pos, out) + partials + (
         np.int32(hq), np.int32(hkv), np.int32(bs), np.int32(tables.shape[1]), np.int32(per), np.int32(parts),
         np.float32(1.0 / np.sqrt(d)))
@@ -90,11 +102,11 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
 
     def launch():
         if n:
-            kern((n, hkv, parts), (128,), args)
+            kern((n, hkv, parts), (versions.DECODE_THREADS,), args)
             if reduce is not None:
                 reduce((n, hq), (32,), reduce_args)
         return out
-    launch.version, launch.partitions = 3, parts
+    launch.version, launch.partitions = version, parts
     return launch
 
 
@@ -109,10 +121,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype=np.float32, kv_dtype: str = "int8", group: int = 32, **options):
         self.qdefines = quant_defines(kv_dtype, group, head_dim, dtype)
-        version = check_version(options.get("version"))
-        if version not in (None, 3):
-            raise ConfigError(f"version={version}: the quantized GPU cache has one attention kernel, "
-                              "quant_decode_attention_v3; use version=3 or None")
+        versions.check_version(options.get("version"), QUANT_VERSIONS, "the quantized GPU cache's attention")
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, kv_dtype, group,
                          **options)
         xp = self.rt.xp
@@ -185,15 +194,14 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         """Check ``attend``'s arguments and allocate its buffers; return ``launch()`` (benchmarks time it)."""
         self._check_layer(layer)
         check_device_query(self, self.rt, q)
-        if check_version(version) not in (None, 3):
-            raise ConfigError(f"version={version}: the quantized GPU cache runs quant_decode_attention_v3 only")
-        refusal = v3_refusal(q.shape[1] // self.num_kv_heads, self.head_dim, True)
+        refusal = versions.decode_refusal(q.shape[1] // self.num_kv_heads, self.head_dim, True)
         if refusal is not None:
             raise ConfigError(f"the quantized GPU cache: {refusal[1]}")
+        version = versions.choose_version(version, self.version, None, versions=QUANT_VERSIONS)
         d = self._dev
         return _plan(self.rt, self.qdefines, device_f32(self.rt, q, "q"), self.k_pool[layer], self.v_pool[layer],
                      self.k_codes[layer], self.v_codes[layer], d["tables"], d["seq"], d["pos"], d["max_context"],
-                     self.partition_size)
+                     self.partition_size, version)
 
     # -- inspection (host copies; tests and debugging) ---------------------------------------------
     def pools(self, layer: int, host: bool = False) -> tuple[QuantizedPool, QuantizedPool]:

@@ -318,19 +318,6 @@ def default_runtime() -> Runtime:
 
 # --- device helpers shared by the step modules ------------------------------------------------
 
-VERSIONS = (1, 2, 3)  # attention kernel versions of both GPU caches: 1 one block per (token, KV head), 2 split-K,
-#                       3 the register-resident decode kernel (decode steps only; kernels/decode_v3.cuh)
-
-
-def check_version(version):
-    """A cache's ``version=`` knob (the same in ``kv_cache`` and ``paged``): None (choose per step), 1, 2 or 3."""
-    if version is not None and (isinstance(version, bool) or version not in VERSIONS):
-        raise ConfigError(f"version={version!r}; attention has versions 1 (one block per token and KV head), "
-                          "2 (split-K partitions + reduce) and 3 (register-resident decode), or None to choose "
-                          "per step")
-    return version
-
-
 def device_f32(rt: Runtime, a, name: str):
     """``a`` as a C-contiguous float32 array on ``rt``'s device.
 
@@ -409,6 +396,6 @@ def multiprocessors(rt: Runtime) -> int:
     return int(device_attributes(rt).get("MultiProcessorCount", 1))
 
 
-__all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "VERSIONS", "CupyRuntime", "Runtime",
-           "SimRuntime", "cache_defines", "check_device_rows", "check_version", "default_runtime",
-           "device_attributes", "device_f32", "get_runtime", "head_dim_defines", "host_array", "multiprocessors"]
+__all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "CupyRuntime", "Runtime", "SimRuntime",
+           "cache_defines", "check_device_rows", "default_runtime", "device_attributes", "device_f32", "get_runtime",
+           "head_dim_defines", "host_array", "multiprocessors"]
