@@ -65,9 +65,10 @@ def mla_defines(mla: MLAConfig, dtype) -> dict:
             "MLA_HEADS_PER_WARP": HEADS_PER_WARP}
 
 
-def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
+def latent_write(defines: dict, latent, cache_rows, rows, *, runtime=None) -> None:
     """``cache_rows[rows[n]] = latent[n]`` (rows[n] = -1: skipped). latent: [N, Dl] float32 device array;
     cache_rows: one layer's [rows, Dl] device view; rows: [N] int64 device array."""
+    rt = get_runtime(runtime)
     n, w = latent.shape
     if n == 0:
         return
@@ -76,8 +77,9 @@ def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
         ((vectors + WRITE_THREADS - 1) // WRITE_THREADS,), (WRITE_THREADS,), (latent, cache_rows, rows, np.int32(n)))
 
 
-def absorbed_query(xp, q, w_uk_t, dn: int):
+def absorbed_query(q, w_uk_t, dn: int, *, runtime=None):
     """q: [N, Hq, Dn + dr] -> q_abs = [q_nope W_UK^T ; q_pe]: [N, Hq, r + dr] (w_uk_t: [Hq, Dn, r])."""
+    xp = get_runtime(runtime).xp
     q_lat = xp.matmul(xp.ascontiguousarray(q[:, :, :dn].transpose(1, 0, 2)), w_uk_t)  # [Hq, N, r]
     return xp.ascontiguousarray(xp.concatenate([q_lat.transpose(1, 0, 2), q[:, :, dn:]], axis=2))
 
@@ -94,8 +96,8 @@ def choose_splits(max_keys: int, blocks: int, runtime=None, num_splits: int | No
     return -(-max_keys // per), per
 
 
-def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
-                       scale: float, num_splits: int | None = None):
+def absorbed_attention(defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
+                       scale: float, num_splits: int | None = None, *, runtime=None):
     """``mla_decode_attention_v3`` (+ ``attention_reduce_v2`` when split): [N, Hq, r] float32.
 
     q_abs: [N, Hq, Dl] float32 (unscaled); cache_rows: one layer's [rows, Dl] device array;
@@ -103,6 +105,7 @@ def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, 
     ``table[b, j // block_size] * block_size + j % block_size`` (contiguous: block_size = max_len,
     table [B, 1] of slots); token_seq, token_pos: [N] int32 device arrays (token n sees keys 0..pos[n]).
     """
+    rt = get_runtime(runtime)
     xp = rt.xp
     n, hq, _ = q_abs.shape
     r, chunk = defines["MLA_R"], defines["HEAD_DIM"]
@@ -157,9 +160,9 @@ class _LatentKernels:
     def _attend_rows(self, layer: int, q, cache_rows, tables, seq, pos, max_keys: int, num_splits=None):
         """Absorbed attention of q: [N, Hq, Dn + dr] over ``cache_rows`` -> [N, Hq, Dv] float32 (device)."""
         xp, dn = self.rt.xp, self.mla.qk_nope_head_dim
-        q_abs = absorbed_query(xp, device_f32(self.rt, q, "q"), self._w_uk_t[layer], dn)
-        o = absorbed_attention(self.rt, self.defines, q_abs, cache_rows, tables, seq, pos, max_keys,
-                               self.mla.softmax_scale, num_splits)                        # [N, Hq, r]
+        q_abs = absorbed_query(device_f32(self.rt, q, "q"), self._w_uk_t[layer], dn, runtime=self.rt)
+        o = absorbed_attention(self.defines, q_abs, cache_rows, tables, seq, pos, max_keys,
+                               self.mla.softmax_scale, num_splits, runtime=self.rt)       # [N, Hq, r]
         out = xp.matmul(xp.ascontiguousarray(o.transpose(1, 0, 2)), self._w_uv[layer])  # [Hq, N, Dv]
         return xp.ascontiguousarray(out.transpose(1, 0, 2))
 
@@ -245,7 +248,7 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
-        latent_write(self.rt, self.defines, latent, self._layer_rows(layer), self._dev["rows"])
+        latent_write(self.defines, latent, self._layer_rows(layer), self._dev["rows"], runtime=self.rt)
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
         """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32 on the device)."""
@@ -310,7 +313,8 @@ class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
-        latent_write(self.rt, self.defines, latent, self.pool[layer].reshape(-1, self.head_dim), self._dev["rows"])
+        latent_write(self.defines, latent, self.pool[layer].reshape(-1, self.head_dim), self._dev["rows"],
+                     runtime=self.rt)
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
         """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32) over each sequence's blocks."""

@@ -136,11 +136,12 @@ class _MLADeviceLayer:
                    up(lw.w_down_t.T))
 
 
-def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, rt):
+def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, *, runtime=None):
     """``minikv.model.mla_attention_block`` on the device: x [N, H] -> [N, H].
 
     The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]`` [N, 1, W] and attends for
     ``[q_nope ; RoPE(q_pe)]`` [N, Hq, Dn + P] (a ``minikv_gpu.mla`` latent cache)."""
+    rt = get_runtime(runtime)
     m, xp, n, hq = cfg.mla, rt.xp, x.shape[0], cfg.num_heads
     dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim
     a = xp.matmul(rms_norm(x, lw.attn_norm, cfg.rms_eps, runtime=rt), lw.wa)
@@ -248,7 +249,7 @@ class Model(_cpu.Model):
             x = self.embed[ids]  # [N, H]
             for li, lw in enumerate(self._layers):
                 if c.mla is not None:
-                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, rt)
+                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, runtime=rt)
                     x = x + self._mlp(x, lw)
                     continue
                 h = rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt)

@@ -33,7 +33,14 @@ from minikv.kv_cache import Step
 from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu import versions
-from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, head_dim_defines, multiprocessors
+from minikv_gpu.runtime import (
+    check_device_query,
+    check_device_rows,
+    device_f32,
+    get_runtime,
+    head_dim_defines,
+    multiprocessors,
+)
 
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
@@ -54,8 +61,9 @@ def quant_defines(kv_dtype: str, group: int, head_dim: int, dtype) -> dict:
             "QCODEC": GPU_KV_DTYPES[kv_dtype], "GROUP": group}
 
 
-def quantize_blocks(rt, defines: dict, k_pool, v_pool, k_codes, v_codes, blocks) -> None:
+def quantize_blocks(defines: dict, k_pool, v_pool, k_codes, v_codes, blocks, *, runtime=None) -> None:
     """Encode blocks ``blocks`` (int32 device array [M]) of one layer's residual pools into its codes."""
+    rt = get_runtime(runtime)
     m = int(blocks.shape[0])
     if m == 0:
         return
@@ -168,8 +176,8 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         _gpu_paged._launch_write(self.rt, self.defines, device_f32(self.rt, k, "k"), device_f32(self.rt, v, "v"),
                                  self.k_pool[layer], self.v_pool[layer], self._dev["slots"])
-        quantize_blocks(self.rt, self.qdefines, self.k_pool[layer], self.v_pool[layer], self.k_codes[layer],
-                        self.v_codes[layer], self._dev_filling)
+        quantize_blocks(self.qdefines, self.k_pool[layer], self.v_pool[layer], self.k_codes[layer],
+                        self.v_codes[layer], self._dev_filling, runtime=self.rt)
 
     def _commit(self, step: Step) -> None:
         full = self._filling

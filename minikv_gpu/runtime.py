@@ -1,7 +1,7 @@
 """Kernel runtime: CuPy when a CUDA GPU is usable, else the CPU simulator.
 
     rt = get_runtime()                     # "cupy" or "sim"; env MINIKV_GPU_BACKEND=cupy|sim forces one
-    k = rt.kernel("attention", "causal_softmax_v1", defines={"HEAD_DIM": 64})
+    k = rt.kernel("attention", "causal_softmax_v0", defines={"HEAD_DIM": 64})
     x = rt.asarray(np_x)                   # a device array (a NumPy copy on the sim)
     k((n_rows,), (128,), (x, out, np.int32(n_rows), ...), shared_mem=0)
     result = rt.asnumpy(out)
@@ -130,6 +130,19 @@ class Runtime:
     def synchronize(self) -> None:
         """Wait until all launched kernels have finished."""
 
+    def device_count(self) -> int:
+        """How many devices this process can use."""
+        return 1
+
+    def use_device(self, index: int) -> None:
+        """Make device ``index`` current for this process (what later launches and allocations use)."""
+        if not 0 <= index < self.device_count():
+            raise InvalidInputError(f"device {index} does not exist; this {self.name} runtime has "
+                                    f"{self.device_count()} device(s)")
+        self.device_id = index
+
+    device_id = 0
+
 
 def _defines_key(defines: dict | None) -> tuple:
     if defines is not None and not isinstance(defines, dict):
@@ -143,9 +156,13 @@ class SimRuntime(SimCopies, Runtime):
     name = "sim"
     xp = np
 
-    def __init__(self) -> None:
+    def __init__(self, devices: int = 1) -> None:
         super().__init__()
         cpu_sim.build.compiler()  # fail now, with a clear message, if there is no g++
+        self.devices = devices  # how many GPUs it stands in for (one host memory serves them all)
+
+    def device_count(self) -> int:
+        return self.devices
 
     def _compile(self, source, filename, name, defines, source_dir):
         return cpu_sim.load_module(source, filename, defines, source_dir).get_function(name)
@@ -240,6 +257,13 @@ class CupyRuntime(CupyCopies, Runtime):
         except Exception as exc:  # NVRTC compile errors surface here, on first use
             raise KernelCompileError(f"{filename}: cannot get kernel {name!r} (defines {defines}): {exc}") from exc
         return _CupyKernel(raw, name, decls.get(name), self.xp)
+
+    def device_count(self) -> int:
+        return int(self.xp.cuda.runtime.getDeviceCount())
+
+    def use_device(self, index: int) -> None:
+        super().use_device(index)
+        self.xp.cuda.Device(index).use()
 
     def asarray(self, a, dtype=None):
         return self.xp.array(a, dtype=dtype, order="C", copy=True)

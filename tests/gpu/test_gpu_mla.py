@@ -160,8 +160,8 @@ def test_fp16_within_the_derived_bound_of_exact_fp32(rt, num_splits):
     p = np.exp(sc - sc.max(-1, keepdims=True))
     exact = (p / p.sum(-1, keepdims=True)) @ lat[:, :r]
     i32 = lambda a: rt.asarray(np.asarray(a, dtype=np.int32))  # noqa: E731
-    got = gpu.absorbed_attention(rt, gpu.mla_defines(m, np.float16), rt.asarray(q), rt.asarray(lat.astype(np.float16)),
-                                 (s, i32([[0]])), i32([0]), i32([s - 1]), s, scale, num_splits)
+    got = gpu.absorbed_attention(gpu.mla_defines(m, np.float16), rt.asarray(q), rt.asarray(lat.astype(np.float16)),
+                                 (s, i32([[0]])), i32([0]), i32([s - 1]), s, scale, num_splits, runtime=rt)
     bound = fp16_bound(q * np.float32(scale * np.sqrt(w)), [lat], [lat[:, :r]])
     assert np.max(np.abs(rt.asnumpy(got)[0] - exact)) <= bound
     assert np.max(np.abs(rt.asnumpy(got)[0] - exact)) > 0  # it did round

@@ -57,7 +57,7 @@ def test_quantize_blocks_is_bit_exact(rt, kv_dtype, group, dtype):
     fmt = ref.kv_format(kv_dtype, group, bs, hkv, d)
     kc, vc = (np.full((nb, width), 0xA5, np.uint8) for width in fmt.block_bytes())
     dev = [rt.asarray(a) for a in (k, v, kc, vc)]
-    gq.quantize_blocks(rt, gq.quant_defines(kv_dtype, group, d, dtype), *dev, rt.asarray(blocks))
+    gq.quantize_blocks(gq.quant_defines(kv_dtype, group, d, dtype), *dev, rt.asarray(blocks), runtime=rt)
     for got, pool, before, side in ((dev[2], k, kc, fmt.k), (dev[3], v, vc, fmt.v)):
         got = rt.asnumpy(got)
         want = side.encode(pool[blocks].astype(np.float32))
@@ -79,8 +79,9 @@ def test_fp8_codes_cover_every_finite_value(rt):
     pool = x.reshape(1, -1, 1, 32)
     c = codec("fp8_e4m3fn", 32)
     codes = rt.asarray(np.zeros((1, pool.shape[1] * 34), np.uint8))
-    gq.quantize_blocks(rt, gq.quant_defines("fp8", 32, 32, np.float32), rt.asarray(pool), rt.asarray(pool),
-                       codes, rt.asarray(np.zeros_like(rt.asnumpy(codes))), rt.asarray(np.array([0], np.int32)))
+    gq.quantize_blocks(gq.quant_defines("fp8", 32, 32, np.float32), rt.asarray(pool), rt.asarray(pool),
+                       codes, rt.asarray(np.zeros_like(rt.asnumpy(codes))), rt.asarray(np.array([0], np.int32)),
+                       runtime=rt)
     assert np.array_equal(rt.asnumpy(codes)[0], c.encode(pool[0]).reshape(-1))
 
 

@@ -26,17 +26,17 @@ RTOL = 1e-4
 D, HKV, G = 16, 2, 2
 
 
-def ring(rng, w: int, s: int, q_pos, extra: int = 2, dtype=np.float32, d: int = D):
+def ring(rng, w: int, s: int, q_pos, extra: int = 2, dtype=np.float32, d: int = D, hkv: int = HKV):
     """Slots [B, Hkv, W + 1 + extra] of a window cache at decode positions q_pos: 0..q-1 in their ring
     slots, q in slot W, ``extra`` empty slots; k/v of empty slots are NaN (never read)."""
     pol = ref.WindowPolicy(w, s)
     b, c = len(q_pos), w + 1 + extra
-    pos = np.full((b, HKV, c), -1, np.int64)
+    pos = np.full((b, hkv, c), -1, np.int64)
     for i, q in enumerate(q_pos):
         for p in range(q):
             pos[i, :, pol.ring_slot(p)] = p
         pos[i, :, w] = q
-    k, v = (rng.standard_normal((b, HKV, c, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((b, hkv, c, d)).astype(dtype) for _ in range(2))
     k[pos < 0], v[pos < 0] = np.nan, np.nan
     return k, v, pos
 
