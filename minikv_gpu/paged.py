@@ -129,12 +129,13 @@ def v1_or_v2(max_context: int, n_tokens: int, n_kv_heads: int, partition_size: i
 
 
 def decode_splits(max_context: int, blocks: int, version: int, group: int, head_dim: int, partition_size: int,
-                  runtime=None) -> tuple[int, int]:
+                  runtime=None, dims: int | None = None) -> tuple[int, int]:
     """(n_splits, keys_per_split) of a v3/v4 launch of ``blocks`` (token, KV head) pairs: ``split_plan``
-    with at least ``partition_size`` keys per split, cut evenly in whole tiles."""
-    per_sm = versions.blocks_per_sm(version, group, versions.row_dims(version, head_dim, group))
-    return versions.split_plan(max_context, blocks, per_sm, multiprocessors(get_runtime(runtime)), tile=KEY_TILE,
-                      min_keys=partition_size)
+    with at least ``partition_size`` keys per split, cut evenly in whole tiles. ``dims``: the kernel's
+    dims per lane, when not a plain row's (the quantized kernel's)."""
+    dims = versions.row_dims(version, head_dim, group) if dims is None else dims
+    return versions.split_plan(max_context, blocks, versions.blocks_per_sm(version, group, dims),
+                               multiprocessors(get_runtime(runtime)), tile=KEY_TILE, min_keys=partition_size)
 
 
 def block_defines(block_size: int) -> dict:

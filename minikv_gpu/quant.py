@@ -33,14 +33,7 @@ from minikv.kv_cache import Step
 from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu import versions
-from minikv_gpu.runtime import (
-    check_device_query,
-    check_device_rows,
-    device_f32,
-    get_runtime,
-    head_dim_defines,
-    multiprocessors,
-)
+from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, get_runtime, head_dim_defines
 
 __all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
@@ -90,9 +83,8 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
     n, hq, d = q.shape
     _, bs, hkv, _ = k_res.shape
     group = hq // hkv
-    per_sm = versions.blocks_per_sm(version, group, quant_dims(version, defines, group))
-    parts, per = versions.split_plan(max_context, n * hkv, per_sm, multiprocessors(rt), tile=_gpu_paged.KEY_TILE,
-                            min_keys=partition_size)
+    parts, per = _gpu_paged.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt,
+                                          dims=quant_dims(version, defines, group))
     out = xp.empty((n, hq, d), dtype=np.float32)
     shape = (n, hq, parts) if parts > 1 else (1, 1, 1)
     partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),

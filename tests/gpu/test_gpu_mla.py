@@ -14,14 +14,11 @@
 ``MINIKV_SIM_ASAN=1`` runs this file under AddressSanitizer; the last test does so for a subset.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_sources import run_under_asan
 from test_gpu_kv_cache import fp16_bound
 
 from minikv import mla as ref
@@ -204,18 +201,4 @@ def test_sizes_the_kernel_cannot_load_are_refused_by_name(rt):
 
 def test_asan_subset(sim_rt):
     """This file's kernels compiled with -fsanitize=address (a subset, in a subprocess): no report."""
-    if os.environ.get("MINIKV_SIM_ASAN") == "1":
-        pytest.skip("already running under ASan")
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "sim and (write or paged_absorbed or fp16_within) and not asan"], env=env,
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 10 and "failed" not in proc.stdout, proc.stdout[-2000:]
+    run_under_asan(__file__, "sim and (write or paged_absorbed or fp16_within) and not asan", at_least=10)

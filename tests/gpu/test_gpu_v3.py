@@ -13,14 +13,11 @@ float32 computation within test_gpu_kv_cache's documented ``fp16_bound``. The ch
 last test does so in a subprocess (every simulator test of the file).
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_sources import run_under_asan
 from test_gpu_kv_cache import RTOL, Twin, fp16_bound
 from test_gpu_paged import PagedBatch
 
@@ -128,13 +125,12 @@ def test_paged_cache_version_3_decodes_with_v3_and_prefills_with_v1_v2(rt):
 
 # --- the contiguous cache -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
-def test_contiguous_v3_equals_numpy(rt, heads, dtype):
-    """Histories of 0, 1, 31, 33 and 200 keys (plus the new one), unsplit and split (3 ranges)."""
+def check_contiguous(rt, heads, dtype, version: int) -> None:
+    """Histories of 0, 1, 31, 33 and 200 keys (plus the new one), unsplit and split (1, 3 or automatic
+    ranges), every unwritten position NaN: ``version`` equals NumPy, and fp16 stays within fp16_bound."""
     hq, hkv, d = heads
     tw = Twin(rt, hq, hkv, d, max_seqs=5, max_len=204, dtype=dtype)
-    tw.gpu.version = 3
+    tw.gpu.version = version
     tw.gpu.k[...] = np.nan  # every position past a history is stale: a kernel that reads one returns NaN
     tw.gpu.v[...] = np.nan
     for sid in "abcde":
@@ -148,6 +144,12 @@ def test_contiguous_v3_equals_numpy(rt, heads, dtype):
         if dtype == np.float16:
             err = float(np.max(np.abs(s.got - s.exact)))
             assert err <= fp16_bound(s.q, ks, vs) + RTOL * float(np.max(np.abs(s.exact)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
+def test_contiguous_v3_equals_numpy(rt, heads, dtype):
+    check_contiguous(rt, heads, dtype, 3)
 
 
 def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
@@ -197,17 +199,4 @@ def test_the_split_choice_follows_the_device_size(monkeypatch):
 
 def test_v3_under_asan():
     """This file's v3 kernels compiled with -fsanitize=address (a subset, in a subprocess): no report."""
-    if os.environ.get("MINIKV_SIM_ASAN") == "1":
-        pytest.skip("already running under ASan")
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "sim and not asan"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 40 and "failed" not in proc.stdout, proc.stdout[-2000:]
+    run_under_asan(__file__, "sim and not asan", at_least=40)

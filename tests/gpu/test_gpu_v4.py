@@ -11,17 +11,15 @@ powers of two (the runtime division), several iterations per warp (contexts past
 lookups that span two blocks in one warp's keys. The last test runs this file under AddressSanitizer.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_gpu_kv_cache import RTOL, Twin, fp16_bound
+from sim_sources import run_under_asan
+from test_gpu_kv_cache import RTOL
 from test_gpu_paged import PagedBatch
 from test_gpu_quant import CacheTwin
+from test_gpu_v3 import check_contiguous
 from test_gpu_window import in_cache_reference, reference, ring
 
 from minikv import window as ref_window
@@ -71,21 +69,7 @@ def test_paged_v4_equals_v3_and_v1_split_and_unsplit(rt):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
 def test_contiguous_v4_equals_numpy(rt, heads, dtype):
     """Histories of 0, 1, 31, 33 and 200 keys (plus the new one), unsplit and split; unwritten slots NaN."""
-    hq, hkv, d = heads
-    tw = Twin(rt, hq, hkv, d, max_seqs=5, max_len=204, dtype=DTYPES[dtype])
-    tw.gpu.version = 4
-    tw.gpu.k[...] = np.nan
-    tw.gpu.v[...] = np.nan
-    for sid in "abcde":
-        tw.add(sid)
-    tw.fill("bcde", [1, 31, 33, 200])
-    steps = [tw.step("abcde", [1] * 5, num_splits=splits) for splits in (1, 3, None)]
-    ks, vs = tw.histories()
-    for s in steps:
-        assert np.all(np.isfinite(s.got)) and rel_err(s.got, s.want) <= RTOL
-        if dtype == "fp16":
-            err = float(np.max(np.abs(s.got - s.exact)))
-            assert err <= fp16_bound(s.q, ks, vs) + RTOL * float(np.max(np.abs(s.exact)))
+    check_contiguous(rt, heads, DTYPES[dtype], 4)
 
 
 # (kv_dtype, group, block_size, (Hq, Hkv, D), dtype, partition_size): every codec, block sizes 1, 5, 8, 16,
@@ -135,17 +119,4 @@ def test_window_v4_equals_numpy(rt, w, s, heads, dtype, layout):
 
 def test_v4_under_asan():
     """This file's kernels compiled with -fsanitize=address (in a subprocess): no report."""
-    if os.environ.get("MINIKV_SIM_ASAN") == "1":
-        pytest.skip("already running under ASan")
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "sim and not asan"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 30 and "failed" not in proc.stdout, proc.stdout[-2000:]
+    run_under_asan(__file__, "sim and not asan", at_least=30)
