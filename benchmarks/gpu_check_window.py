@@ -7,8 +7,8 @@ One decode step of B sequences over a sliding-window ring of W slots with S sink
 llama-8B heads, Hq 32, Hkv 8, D 128, B 64, W 4096, S 4; float16 slots), built as the cache leaves it:
 a long-wrapped ring (positions far past W, so storage order is not time order, and the slot of q
 holds the key that has just left the window) plus the query's own key in one more slot (C = W + 1).
-Four variants: ``v1``, ``v3`` (register-resident), ``v1_mass`` (v1 with each slot's softmax mass, what
-H2O accumulates) and ``v3_rope`` (v3 with in-cache rotation: pre-RoPE keys rotated by rank).
+Six variants: ``v1``, ``v3`` and ``v4`` (register-resident), ``v1_mass`` (v1 with each slot's softmax mass,
+what H2O accumulates) and ``v3_rope``, ``v4_rope`` (with in-cache rotation: pre-RoPE keys rotated by rank).
 
 Each variant is first run through ``window_decode`` and checked against NumPy on a few sequences
 (``minikv.window.attend_slots`` with ``WindowPolicy.visible``; ``attend_in_cache`` for the rotation;
@@ -55,8 +55,9 @@ class WindowCase:
 
 GOAL_WINDOW = WindowCase("goal llama8b B64 W4096", 64, 4096, 4, 32, 8, 128, "float16", 2)
 SMOKE_WINDOW = WindowCase("smoke B2 W24", 2, 24, 2, 8, 2, 32, "float16", 2)
-VARIANTS = {"v1": dict(version=1), "v3": dict(version=3), "v1_mass": dict(version=1, want_mass=True),
-            "v3_rope": dict(version=3, rope=True)}
+VARIANTS = {"v1": dict(version=1), "v3": dict(version=3), "v4": dict(version=4),
+            "v1_mass": dict(version=1, want_mass=True), "v3_rope": dict(version=3, rope=True),
+            "v4_rope": dict(version=4, rope=True)}
 
 
 def ring_positions(case: WindowCase, q_pos: np.ndarray) -> np.ndarray:
@@ -92,8 +93,8 @@ def _launcher(rt, q, k, v, pos, q_pos, case: WindowCase, version: int, want_mass
     scalars = (np.int32(hq), np.int32(hkv), np.int32(c), np.int32(case.window), np.int32(case.sinks),
                np.int32(mode), np.float32(1.0 / np.sqrt(d)))
     qd = device_f32(rt, q, "q")
-    if version == 3:
-        kern = rt.kernel("window", "window_decode_v3", defines={**defines, "GQA_GROUP": group})
+    if version >= 3:
+        kern = rt.kernel("window", f"window_decode_v{version}", defines={**defines, "GQA_GROUP": group})
 
         def launch():
             kern((b, hkv), (128,), (qd, k, v) + common + scalars)
@@ -184,6 +185,7 @@ def run_window(rt, smoke: bool, timer: Timer, copy_gbs: float = float("nan")) ->
               flush=True)
     ms = {n: res[n].get("median_ms") for n in VARIANTS}
     res["ratios"] = {"v3_vs_v1": ms["v1"] / ms["v3"] if ms["v1"] and ms["v3"] else None,
+                     "v4_vs_v3": ms["v3"] / ms["v4"] if ms["v3"] and ms["v4"] else None,
                      "mass_cost_vs_v1": ms["v1_mass"] / ms["v1"] if ms["v1_mass"] and ms["v1"] else None,
                      "rope_cost_vs_v3": ms["v3_rope"] / ms["v3"] if ms["v3_rope"] and ms["v3"] else None}
     return res

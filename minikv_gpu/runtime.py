@@ -1,5 +1,8 @@
 """Kernel runtime: CuPy when a CUDA GPU is usable, else the CPU simulator.
 
+``MINIKV_CUPY_POOL=0`` turns CuPy's memory pools off (compute-sanitizer runs: a read past an array's end
+then leaves the allocation instead of landing in the pool's next array).
+
     rt = get_runtime()                     # "cupy" or "sim"; env MINIKV_GPU_BACKEND=cupy|sim forces one
     k = rt.kernel("attention", "causal_softmax_v0", defines={"HEAD_DIM": 64})
     x = rt.asarray(np_x)                   # a device array (a NumPy copy on the sim)
@@ -238,6 +241,9 @@ class CupyRuntime(CupyCopies, Runtime):
     def __init__(self, cupy) -> None:
         super().__init__()
         self.xp = cupy
+        if os.environ.get("MINIKV_CUPY_POOL") == "0":  # every array its own cudaMalloc: memcheck sees overruns
+            cupy.cuda.set_allocator(None)
+            cupy.cuda.set_pinned_memory_allocator(None)
         self._modules: dict[tuple, tuple] = {}
         include = _cuda_include_dir()
         self._base_options = ("-std=c++17",) + ((f"-I{include}",) if include else ())

@@ -29,9 +29,11 @@ namespace decode_v4 {
 constexpr int ROW_DIMS = (HEAD_DIM == 128 && decode::G <= 4) ? 16 : VEC;
 
 // Keys per subgroup and iteration for a key of `bytes` per lane (K and V): about 64 bytes per lane and
-// buffer (two buffers are live), fewer for G > 4, at most LANES (so that a warp's keys fit 32 lanes).
+// buffer at 4 blocks per SM, 128 at 2 (half the warps, so twice the bytes each for the same bytes in flight
+// per SM), halved for G > 4, at most LANES (so that a warp's keys fit 32 lanes). Two buffers are live.
 __host__ __device__ constexpr int keys_for(int dims, int bytes) {
-    const int want = (64 / bytes > 1 ? 64 / bytes : 1) / (decode::G > 4 ? 2 : 1);
+    const int budget = decode::G * dims > 32 ? 128 : 64;
+    const int want = (budget / bytes > 1 ? budget / bytes : 1) / (decode::G > 4 ? 2 : 1);
     const int lanes = HEAD_DIM / dims;
     return want < 1 ? 1 : want > lanes ? lanes : want;
 }

@@ -360,7 +360,10 @@ struct QuantKeys {
 
 // v4's dims per lane: 16 at head_dim 128 (G <= 4) where a lane's 16 values lie in one record.
 constexpr int V4_DIMS = decode_v4::ROW_DIMS == 16 && GROUP % 16 == 0 ? 16 : VEC;
-constexpr int V4_KEYS = decode_v4::keys_for(V4_DIMS, 8 * Raw<V4_DIMS>::WORDS);
+// Keys per subgroup and buffer: 2 where 2 blocks share an SM (G * DIMS > 32: twice the registers per thread)
+// and a key's words fit them twice (fp16 residual or G = 8's 8 dims; not kivi2's dequantized channels), else
+// 1. ptxas spilled at 2 with a float32 residual and 16 dims (16 words a side) and at G = 1 (4 blocks per SM).
+constexpr int V4_KEYS = decode::G * V4_DIMS > 32 && !K_CHANNEL && (CACHE_HALF || decode::G > 4) && HEAD_DIM > VEC ? 2 : 1;
 constexpr int V3_KEYS = decode::G > 4 ? 1 : 2;
 
 }  // namespace quant

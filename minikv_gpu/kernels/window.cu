@@ -287,9 +287,11 @@ struct SlotKeys {
     }
 };
 
-// v4 keeps 8 dims per lane here (the rank, rotation and positions cost registers over a plain row's) and
-// one key per subgroup and buffer, so that G <= 4 fits 4 blocks per SM.
-constexpr int V4_KEYS = 1;
+// v4 keeps 8 dims per lane here (the rank, rotation and positions cost registers over a plain row's), and
+// one key per subgroup and buffer at G = 4 (and G = 3 over float32 slots: 140 bytes spilled at two), so that
+// it fits 4 blocks per SM (128 registers); G = 1, G = 3 over fp16 and G = 8 (2 blocks per SM) hold two
+// (but one at head_dim 8, where a warp takes 32 keys side by side: all its lanes).
+constexpr int V4_KEYS = (decode::G == 1 || decode::G > 4 || (decode::G < 4 && CACHE_HALF)) && HEAD_DIM > VEC ? 2 : 1;
 
 }  // namespace window
 

@@ -223,7 +223,9 @@ def test_gpu_check_quant_sim_smoke(sim_rt, tmp_path):
     assert mod.main([str(tmp_path / "q.json"), "--sim-smoke"]) == 0
     res = json.loads((tmp_path / "q.json").read_text())
     hkv, d = res["case"]["num_kv_heads"], res["case"]["head_dim"]
-    assert res["fp16"]["bytes_per_token"] == 4 * hkv * d and res["fp16"]["median_ms"] > 0
-    for kv in ("int8", "fp8"):
-        assert res[kv]["bytes_per_token"] == 2 * hkv * d // 32 * 34 and res[kv]["finite"]
-        assert res[kv]["speedup_vs_fp16"] > 0 and 0 < res[kv]["rel_err_vs_fp16"] < 0.1
+    for v in (3, 4):
+        assert res[f"fp16_v{v}"]["bytes_per_token"] == 4 * hkv * d and res[f"fp16_v{v}"]["median_ms"] > 0
+        for kv in ("int8", "fp8"):
+            e = res[f"{kv}_v{v}"]
+            assert e["bytes_per_token"] == 2 * hkv * d // 32 * 34 and e["finite"]
+            assert e["speedup_vs_fp16"] > 0 and 0 < e["rel_err_vs_fp16"] < 0.1
