@@ -30,13 +30,15 @@ from typing import Sequence
 import numpy as np
 
 from minikv import mla as _cpu
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice
 from minikv.kv_cache import Step
 from minikv.mla import FORMS, LatentUp, MLAConfig, latent_bytes_per_token
 from minikv.paged import query_positions, slot_mapping
 from minikv_gpu.runtime import check_device_rows, device_f32, get_runtime, multiprocessors
+from minikv_gpu.versions import split_plan
 
-__all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "mla_defines", "latent_write",
+__all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "latent_attention", "reference_attention",
+           "mla_defines", "latent_write",
            "absorbed_query", "absorbed_attention", "choose_splits", "LatentNoCache", "LatentContiguousKVCache",
            "LatentPagedKVCache", "HEADS_PER_WARP", "WARPS", "BLOCKS_PER_SM", "MIN_KEYS_PER_SPLIT"]
 
@@ -85,15 +87,11 @@ def absorbed_query(q, w_uk_t, dn: int, *, runtime=None):
 
 
 def choose_splits(max_keys: int, blocks: int, runtime=None, num_splits: int | None = None) -> tuple[int, int]:
-    """(n_splits, keys_per_split): ``num_splits`` if given, else the count nearest one wave of
-    ``BLOCKS_PER_SM`` blocks per multiprocessor (1 from 2/3 of a wave up), ranges of >= 256 keys."""
-    if num_splits is None:
-        wave = BLOCKS_PER_SM * multiprocessors(get_runtime(runtime))
-        z = 1 if 3 * blocks >= 2 * wave else min(-(-max_keys // MIN_KEYS_PER_SPLIT), max(1, round(wave / blocks)))
-    else:
-        z = int(num_splits)
-    per = max(1, -(-max_keys // max(1, z)))
-    return -(-max_keys // per), per
+    """(n_splits, keys_per_split): ``num_splits`` if given, else ``versions.split_plan``'s count for
+    ``BLOCKS_PER_SM`` blocks per multiprocessor (even ranges of at least ``MIN_KEYS_PER_SPLIT`` keys; the
+    MLA kernel needs no tile alignment)."""
+    sms = multiprocessors(get_runtime(runtime))
+    return split_plan(max_keys, blocks, BLOCKS_PER_SM, sms, tile=1, min_keys=MIN_KEYS_PER_SPLIT, requested=num_splits)
 
 
 def absorbed_attention(defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
@@ -128,6 +126,35 @@ def absorbed_attention(defines: dict, q_abs, cache_rows, tables, token_seq, toke
         rt.kernel("mla", "attention_reduce_v2", defines=defines)(
             (n, hq * c), (32,), parts + (token_pos, out, np.int32(hq * c), np.int32(per), np.int32(z)))
     return out
+
+
+def latent_attention(q, read, past: int, up: LatentUp, mla: MLAConfig, form: str = "auto",
+                     key_tile: int | None = None, *, runtime=None):
+    """``minikv.mla.latent_attention`` on the GPU: one sequence's T queries [T, Hq, Dn + dr] (q_pe rotated) at
+    positions past .. past+T-1 over its latents ``read(0, past + T)`` [S, Dl] -> [T, Hq, Dv] float32 (device).
+
+    Always the absorbed form (``mla_decode_attention_v3``, then W_UV); ``form`` is checked and otherwise
+    changes only rounding in the reference (it expands a prefill's own tokens), ``key_tile`` is unused (the
+    kernel walks keys). The latents keep the dtype ``read`` gives them (float32 or float16)."""
+    check_choice("form", form, FORMS)
+    rt = get_runtime(runtime)
+    t = int(q.shape[0])
+    lat = read(0, past + t)
+    lat = lat if isinstance(lat, rt.xp.ndarray) else rt.asarray(np.ascontiguousarray(lat))
+    defines = mla_defines(mla, lat.dtype)
+    dev = lambda a: rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    q_abs = absorbed_query(device_f32(rt, q, "q"), dev(up.w_uk.transpose(0, 2, 1)), mla.qk_nope_head_dim, runtime=rt)
+    i32 = lambda a: rt.asarray(np.asarray(a, dtype=np.int32))  # noqa: E731
+    o = absorbed_attention(defines, q_abs, rt.xp.ascontiguousarray(lat), (past + t, i32([[0]])), i32(np.zeros(t)),
+                           i32(past + np.arange(t)), past + t, mla.softmax_scale, runtime=rt)  # [T, Hq, r]
+    out = rt.xp.matmul(rt.xp.ascontiguousarray(o.transpose(1, 0, 2)), dev(up.w_uv))        # [Hq, T, Dv]
+    return rt.xp.ascontiguousarray(out.transpose(1, 0, 2))
+
+
+def reference_attention(q, lat, up: LatentUp, mla: MLAConfig, *, runtime=None):
+    """``minikv.mla.reference_attention`` on the GPU: q [T, Hq, Dn + dr] over the same T tokens' latents lat
+    [T, Dl], causally -> [T, Hq, Dv] (the absorbed kernel; the reference decompresses every key instead)."""
+    return latent_attention(q, lambda k0, k1: lat[k0:k1], 0, up, mla, runtime=runtime)
 
 
 class _LatentKernels:

@@ -237,7 +237,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
 
 
 def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
-                    blocks_per_tile: int | None = None, *, version: int | None = None,
+                    blocks_per_tile: int | None = None, load_tile=None, *, version: int | None = None,
                     partition_size: int = PARTITION_SIZE, runtime=None):
     """``minikv.paged.paged_attention`` on the GPU: packed queries over each sequence's blocks.
 
@@ -246,6 +246,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     block_tables: [B, max_blocks]; context_lens, query_lens: [B] (host or device; small)
     blocks_per_tile: checked as in the reference and otherwise unused: the kernels walk tiles of
                   ``KEY_TILE`` keys whatever the block size
+    load_tile:    the reference's hook for how a tile of blocks is read; the kernels read the pools
+                  themselves, so only None (quantized pools: ``minikv_gpu.quant.quantized_paged_attention``)
     version:      1, 2, 3, 4 or None (``versions.choose_version``; 3 and 4 only for decode rows: query_lens
                   all 1); partition_size: keys per v2 partition (v3/v4: the least keys per split)
     returns:      [N, Hq, D] float32 on the device
@@ -256,6 +258,9 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     """
     rt = get_runtime(runtime)
     versions.check_version(version)  # before any other check: a bad version is a bad call whatever the data
+    if load_tile is not None:
+        raise ConfigError("load_tile is the NumPy walk's hook; the GPU kernels read the pools themselves (for "
+                          "quantized pools use minikv_gpu.quant.quantized_paged_attention)")
     partition_size = _check_partition_size(partition_size)
     tables, ctx, qlens, _ = check_paged_attention_args(
         q, k_pool, v_pool, host_array(rt, block_tables), host_array(rt, context_lens),

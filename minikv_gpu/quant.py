@@ -30,12 +30,20 @@ import numpy as np
 from minikv import quant as _cpu
 from minikv.errors import ConfigError
 from minikv.kv_cache import Step
-from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, quantized_paged_attention, view_tables
+from minikv.paged import check_paged_attention_args
+from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, view_tables
 from minikv_gpu import paged as _gpu_paged
 from minikv_gpu import versions
-from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, get_runtime, head_dim_defines
+from minikv_gpu.runtime import (
+    check_device_query,
+    check_device_rows,
+    device_f32,
+    get_runtime,
+    head_dim_defines,
+    host_array,
+)
 
-__all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
+__all__ = ["GPU_KV_DTYPES", "QUANT_VERSIONS", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
 
 GPU_KV_DTYPES = {"int8": 0, "fp8": 1, "kivi2": 2, "int4": 3}  # kv_dtype -> QCODEC of kernels/quant.cu
@@ -108,6 +116,45 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
         return out
     launch.version, launch.partitions = version, parts
     return launch
+
+
+def _kv_dtype_of(k_pool: QuantizedPool, v_pool: QuantizedPool) -> tuple[str, int]:
+    """(kv_dtype, group) of two host QuantizedPool sides, among GPU_KV_DTYPES (ConfigError otherwise)."""
+    sides = (k_pool.side.codec.name, k_pool.side.axis, v_pool.side.codec.name, v_pool.side.axis)
+    kv = next((name for name, spec in KV_DTYPES.items() if tuple(spec) == sides and name in GPU_KV_DTYPES), None)
+    if kv is None:
+        raise ConfigError(f"pools of {sides} have no GPU kernels; the GPU quantized attention serves "
+                          f"{', '.join(GPU_KV_DTYPES)} (minikv.quant.quantized_paged_attention serves every format)")
+    return kv, k_pool.side.codec.group
+
+
+def quantized_paged_attention(q, k_pool: QuantizedPool, v_pool: QuantizedPool, tables, context_lens,
+                              blocks_per_tile: int | None = None, *, version: int | None = None,
+                              partition_size: int = _gpu_paged.PARTITION_SIZE, runtime=None):
+    """``minikv.quant.quantized_paged_attention`` on the GPU: q [N, Hq, D] -> [N, Hq, D] float32 on the device.
+
+    k_pool, v_pool: host ``QuantizedPool`` sides (residual [num_blocks, bs, Hkv, D], codes [num_blocks, bytes]),
+    copied to the device; tables, context_lens: ``view_tables``' (one query per row; an id >= num_blocks is a
+    full block's coded view); blocks_per_tile: checked as in the reference, unused (the kernel walks keys);
+    version: 3, 4 or None (4). The kernel reads a block from its codes iff it is full at the row's position,
+    the rule ``view_tables`` encoded.
+    """
+    rt = get_runtime(runtime)
+    kv_dtype, group = _kv_dtype_of(k_pool, v_pool)
+    num_blocks, bs, hkv, d = k_pool.residual.shape
+    defines = quant_defines(kv_dtype, group, d, k_pool.residual.dtype)
+    tables, ctx, _, _ = check_paged_attention_args(q, k_pool, v_pool, host_array(rt, tables),
+                                                   host_array(rt, context_lens), None, blocks_per_tile)
+    refusal = versions.decode_refusal(q.shape[1] // hkv, d, True)
+    if refusal is not None:
+        raise ConfigError(f"GPU quantized attention: {refusal[1]}")
+    version = versions.choose_version(version, None, None, versions=QUANT_VERSIONS)
+    n = q.shape[0]
+    base = np.where(tables >= num_blocks, tables - num_blocks, np.maximum(tables, 0)).astype(np.int32)
+    up = rt.asarray
+    return _plan(rt, defines, device_f32(rt, q, "q"), up(k_pool.residual), up(v_pool.residual), up(k_pool.codes),
+                 up(v_pool.codes), up(base), up(np.arange(n, dtype=np.int32)), up((ctx - 1).astype(np.int32)),
+                 int(ctx.max(initial=0)), partition_size, version)()
 
 
 class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache):

@@ -28,7 +28,8 @@ from minikv.layers import ROPE_LAYOUTS
 from minikv_gpu.runtime import STATIC_SMEM_LIMIT, device_f32, get_runtime, head_dim_defines
 from minikv_gpu.versions import DECODE_THREADS, choose_version, decode_defines, decode_refusal
 
-__all__ = ["ROPE_MODES", "WINDOW_VERSIONS", "EvictingKVCache", "window_decode"]
+__all__ = ["ROPE_MODES", "WINDOW_VERSIONS", "EvictingKVCache", "Visible", "attend_in_cache", "attend_slots",
+           "window_decode"]
 
 ROPE_MODES = {None: 0, "half": 1, "interleaved": 2}  # layout -> rope_mode of window_decode_v1
 _INT32_MAX = np.iinfo(np.int32).max
@@ -151,6 +152,62 @@ def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tu
             kern((b, hkv), (32 * group,), (qd, kd, vd) + common + (mass, np.int32(bool(want_mass))) + scalars,
                  shared_mem=4 * group * d)
     return (out, mass) if want_mass else out
+
+
+class Visible:
+    """``visible(k_pos) -> [Hkv, T, K]`` as ``minikv.window.attend_slots`` takes it, ``policy.visible(q_pos,
+    k_pos)`` at the queries' positions, in a form the GPU can read: the policy (its window and sinks) and
+    q_pos [T]. The NumPy function takes it as well, so one call runs on either side."""
+
+    def __init__(self, policy, q_pos):
+        self.policy, self.q_pos = policy, np.asarray(q_pos)
+
+    def __call__(self, k_pos):
+        return self.policy.visible(self.q_pos, k_pos)
+
+
+def _batched(k, v, k_pos, t: int):
+    """One query per "sequence": the slots [Hkv, K, ...] repeated for each of the T queries."""
+    return tuple(np.ascontiguousarray(np.broadcast_to(a, (t,) + a.shape)) for a in (k, v, k_pos))
+
+
+def attend_slots(q, tiles: list, visible, mass_rows=None, *, version: int | None = None, runtime=None):
+    """``minikv.window.attend_slots`` on the GPU: q [T, Hq, D] over tiles of (k [Hkv, K, D], v, k_pos [Hkv, K]).
+
+    visible: a ``Visible(policy, q_pos)`` (a window policy's rule, or the causal one of Policy, H2O, SnapKV);
+    mass_rows: [T] bool or None, as the reference: then also each tile's mass and seen counts [Hkv, K],
+    summed over the selected queries. Returns out [T, Hq, D] (, masses, seens) on the device.
+    """
+    if not isinstance(visible, Visible):
+        raise ConfigError("the GPU attend_slots reads the visibility rule itself: pass "
+                          "minikv_gpu.window.Visible(policy, q_pos) (NumPy's attend_slots takes it too)")
+    window, sinks = _policy_args(visible.policy)
+    k, v, pos = (np.concatenate([np.asarray(tile[i]) for tile in tiles], axis=1) for i in range(3))
+    t = q.shape[0]
+    want = mass_rows is not None
+    res = window_decode(q, *_batched(k, v, pos, t), visible.q_pos, window, sinks, None, want, version=version,
+                        runtime=runtime)
+    if not want:
+        return res
+    rt, rows = get_runtime(runtime), np.asarray(mass_rows, bool)
+    mass = rt.asnumpy(res[1])[rows].sum(0)                                    # [Hkv, K] over the selected queries
+    seen = visible(pos)[:, rows].sum(1).astype(np.int64)                       # [Hkv, K]
+    cuts = np.cumsum([tile[0].shape[1] for tile in tiles])[:-1]
+    return res[0], np.split(mass, cuts, axis=1), np.split(seen, cuts, axis=1)
+
+
+def attend_in_cache(q_pre, k_pre, v, k_pos, q_pos, visible, rope: tuple, *, version: int | None = None,
+                    runtime=None):
+    """``minikv.window.attend_in_cache`` on the GPU: pre-RoPE q [T, Hq, D] over pre-RoPE k [Hkv, K, D], every
+    visible key rotated by its rank, each query by its own. visible: a window policy's ``visible`` method
+    (the kernel knows its rule in closed form); rope = (cos, sin, layout). Returns [T, Hq, D] on the device."""
+    policy = getattr(visible, "__self__", None)
+    if not isinstance(policy, _cpu.WindowPolicy):
+        raise ConfigError("the GPU attend_in_cache ranks keys by the window policy's closed form: pass "
+                          "policy.visible of a minikv.window.WindowPolicy")
+    t = q_pre.shape[0]
+    return window_decode(q_pre, *_batched(k_pre, v, k_pos, t), np.asarray(q_pos), policy.window,
+                         policy.sinks, rope, version=version, runtime=runtime)
 
 
 def _policy_args(policy) -> tuple[int, int]:

@@ -202,3 +202,22 @@ def test_sizes_the_kernel_cannot_load_are_refused_by_name(rt):
 def test_asan_subset(sim_rt):
     """This file's kernels compiled with -fsanitize=address (a subset, in a subprocess): no report."""
     run_under_asan(__file__, "sim and (write or paged_absorbed or fp16_within) and not asan", at_least=10)
+
+
+def test_latent_and_reference_attention_mirror_numpy(rt):
+    """minikv_gpu.mla.latent_attention / reference_attention: minikv's names and arguments (a reader of latent
+    rows, the up-projections), the absorbed kernel's answer; a decode row and a prefill over a history."""
+    rng = np.random.default_rng(3)
+    hq, r, p, dn, dv = 3, 16, 8, 5, 7
+    m = _mla(r, p, dn, dv)
+    up = _ups(rng, 1, hq, m)[0]
+    lat = rng.standard_normal((13, r + p)).astype(np.float32)
+    for past, t in ((12, 1), (9, 4)):
+        q = rng.standard_normal((t, hq, dn + p)).astype(np.float32)
+        read = lambda k0, k1: lat[k0:k1]  # noqa: E731
+        want = ref.latent_attention(q, read, past, up, m)
+        got = rt.asnumpy(gpu.latent_attention(q, read, past, up, m, runtime=rt))
+        assert rel_err(got, want) <= KERNEL_RTOL
+    q = rng.standard_normal((6, hq, dn + p)).astype(np.float32)
+    want = ref.reference_attention(q, lat[:6], up, m)
+    assert rel_err(rt.asnumpy(gpu.reference_attention(q, lat[:6], up, m, runtime=rt)), want) <= KERNEL_RTOL

@@ -229,3 +229,26 @@ def test_gpu_check_quant_sim_smoke(sim_rt, tmp_path):
             e = res[f"{kv}_v{v}"]
             assert e["bytes_per_token"] == 2 * hkv * d // 32 * 34 and e["finite"]
             assert e["speedup_vs_fp16"] > 0 and 0 < e["rel_err_vs_fp16"] < 0.1
+
+
+@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("kivi2", 8)])
+def test_quantized_paged_attention_mirrors_numpy(rt, kv_dtype, group, version):
+    """minikv_gpu.quant.quantized_paged_attention: minikv's name and arguments (host QuantizedPools, view
+    tables), the GPU kernel's answer. Prefill rows see their own blocks full or residual."""
+    tw = CacheTwin(rt, kv_dtype, group, block_size=8, hq=4, hkv=2, d=64)
+    tw.step(["a", "b"], [21, 9])
+    c = tw.cpu
+    rng = np.random.default_rng(0)
+    with c.step(["a", "b"], [3, 1]):
+        k, v = (rng.standard_normal((4, 2, 64)).astype(np.float32) for _ in range(2))
+        c.write(0, k, v)
+        q = rng.standard_normal((4, 4, 64)).astype(np.float32)
+        want = c.attend(0, q)
+        step = c._require_step()
+        tables, ctx = ref.view_tables(c._step_tables, step.past + step.num_new, step.num_new, c.block_size,
+                                      c.num_blocks)
+        kp, vp = c.pools(0)
+        got = rt.asnumpy(gq.quantized_paged_attention(q, kp, vp, tables, ctx, version=version, runtime=rt))
+        assert rel_err(got, want) <= RTOL
+        assert rel_err(got, ref.quantized_paged_attention(q, kp, vp, tables, ctx)) <= RTOL

@@ -223,3 +223,32 @@ def test_gpu_evicting_cache_matches_numpy(rt, kind):
     for sid in (0, 1):
         for a, b in zip(caches[1].kept_positions(sid, 0), caches[0].kept_positions(sid, 0)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("version", [1, 4])
+def test_attend_slots_and_attend_in_cache_mirror_numpy(rt, version):
+    """minikv_gpu.window.attend_slots / attend_in_cache: minikv's names and arguments (tiles of slots, the
+    visibility as gw.Visible(policy, q_pos) or a window policy's visible), the GPU kernel's answer."""
+    rng = np.random.default_rng(21)
+    w, s = 7, 2
+    k, v, pos = ring(rng, w, s, [3 * w + 1], extra=0)
+    k, v, pos = k[0], v[0], pos[0]  # one cache's slots [Hkv, C, D]
+    q_pos = np.array([3 * w + 1, 3 * w + 1])
+    q = _q(rng, 2)
+    policy = ref.WindowPolicy(w, s)
+    tiles = [(k[:, :4], v[:, :4], pos[:, :4]), (k[:, 4:], v[:, 4:], pos[:, 4:])]
+    vis = gw.Visible(policy, q_pos)
+    want = ref.attend_slots(q, tiles, vis, np.array([True, False]))
+    got = gw.attend_slots(q, tiles, vis, np.array([True, False]), runtime=rt)
+    assert_close(rt.asnumpy(got[0]), want[0], rtol=RTOL)
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=RTOL, what="mass/seen")
+    if version == 4:
+        assert_close(rt.asnumpy(gw.attend_slots(q, tiles, vis, version=4, runtime=rt)), want[0], rtol=RTOL)
+    rope = (*rope_tables(D, 64, 10000.0), "half")
+    pol = ref.WindowPolicy(w, s, positions="in-cache")
+    want = ref.attend_in_cache(q, k, v, pos, q_pos, pol.visible, rope)
+    got = gw.attend_in_cache(q, k, v, pos, q_pos, pol.visible, rope, version=4 if version == 4 else 3, runtime=rt)
+    assert_close(rt.asnumpy(got), want, rtol=RTOL)
+    with pytest.raises(ConfigError, match="Visible"):
+        gw.attend_slots(q, tiles, lambda kp: policy.visible(q_pos, kp), runtime=rt)
