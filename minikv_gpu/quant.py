@@ -33,15 +33,9 @@ from minikv.kv_cache import Step
 from minikv.paged import check_paged_attention_args
 from minikv.quant import KV_DTYPES, QuantizedPool, dequantize_tile, kv_format, view_tables
 from minikv_gpu import paged as _gpu_paged
+from minikv_gpu import runtime as gpu_runtime
 from minikv_gpu import versions
-from minikv_gpu.runtime import (
-    check_device_query,
-    check_device_rows,
-    device_f32,
-    get_runtime,
-    head_dim_defines,
-    host_array,
-)
+from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, get_runtime
 
 __all__ = ["GPU_KV_DTYPES", "QUANT_VERSIONS", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedPool", "dequantize_tile", "kv_format", "quantized_paged_attention", "view_tables"]
@@ -58,7 +52,7 @@ def quant_defines(kv_dtype: str, group: int, head_dim: int, dtype) -> dict:
     group = 32 if kv_dtype in ("int8", "int4") else int(group)
     if group % 8 or head_dim % group:
         raise ConfigError(f"group={group}: the GPU kernels need a multiple of 8 that divides head_dim={head_dim}")
-    return {**head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16),
+    return {**gpu_runtime.head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16),
             "QCODEC": GPU_KV_DTYPES[kv_dtype], "GROUP": group}
 
 
@@ -143,8 +137,8 @@ def quantized_paged_attention(q, k_pool: QuantizedPool, v_pool: QuantizedPool, t
     kv_dtype, group = _kv_dtype_of(k_pool, v_pool)
     num_blocks, bs, hkv, d = k_pool.residual.shape
     defines = quant_defines(kv_dtype, group, d, k_pool.residual.dtype)
-    tables, ctx, _, _ = check_paged_attention_args(q, k_pool, v_pool, host_array(rt, tables),
-                                                   host_array(rt, context_lens), None, blocks_per_tile)
+    tables, ctx, _, _ = check_paged_attention_args(q, k_pool, v_pool, gpu_runtime.host_array(rt, tables),
+                                                   gpu_runtime.host_array(rt, context_lens), None, blocks_per_tile)
     refusal = versions.decode_refusal(q.shape[1] // hkv, d, True)
     if refusal is not None:
         raise ConfigError(f"GPU quantized attention: {refusal[1]}")
