@@ -23,7 +23,8 @@
 //   rope_write_attend_v2    the fused kernel, split-K (+ attention_reduce_v2)
 //   decode_attention_v3     decode attention with K/V loaded straight into registers (16-byte
 //                           loads, D/8 lanes per key, the GQA group's queries in registers, no
-//                           barrier in the key loop); split count nearest one wave (+ the reduce)
+//                           barrier in the key loop); split by versions.split_plan (+ the reduce)
+//   decode_attention_v4     the same with the next iteration's loads in flight (decode_v4.cuh)
 //   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
 // The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
 // and paged.cu.
@@ -51,6 +52,14 @@
 //       registers at G=1, 106-125 at G=3, 118-128 at G=4 (capped by __launch_bounds__(128, 4)),
 //       205-245 at G=8 (__launch_bounds__(128, 2)); 0 spills, no stack frame; NVRTC compiles every
 //       define set. No GPU has run it yet.
+//   v4  decode_v4.cuh (paged.cu's log has the list): the next iteration's K/V loads issued before this
+//       iteration's math, warps on contiguous keys, the transposed reduction, the rescale skipped where no
+//       max moved, 16 dims per lane at head_dim 128 (G <= 4). v3 now runs the same per-iteration math
+//       through a key policy (DenseKeys): ptxas 64-71 / 105-126 / 118-126 / 208-253 at G 1/3/4/8.
+//       Predicted (results/gpu_model.json, goal case): 268 us, 98% of the copy (v3 the same: both copy-bound
+//       by the model; v4 issues 522-622 instructions per warp-iteration of 8 keys against v3's 691).
+//       ptxas: decode_attention_v4 66-112 registers at G=1, 101-219 at G=3, 120-245 at G=4, 196-244 at G=8;
+//       0 spills. Measured: waits for a GPU.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
 //   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused

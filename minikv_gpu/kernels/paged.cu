@@ -12,14 +12,17 @@
 //
 // Kernels (<op>_v<N>, vLLM's names; the same N means the same idea in every .cu: v1 one block
 // per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 the
-// register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
+// register-resident, bandwidth-bound decode kernel of decode_v3.cuh, v4 v3 with the next iteration's
+// loads in flight, decode_v4.cuh):
 //   reshape_and_cache           write the step's new K/V rows through the slot mapping
 //   paged_decode_attention_v1   one thread block per (query token, KV head) walks the whole context
 //   paged_decode_attention_v2   split-K: one thread block per (query token, KV head, partition)
 //   attention_reduce_v2         split_k.cuh's, shared with kv_cache.cu: merges v2's partitions,
 //                               rescaling each by exp(m_i - m)
 //   paged_decode_attention_v3   decode attention with K/V read through the block table straight
-//                               into registers (decode_v3.cuh); split count nearest one wave
+//                               into registers (decode_v3.cuh); split by versions.split_plan
+//   paged_decode_attention_v4   the same, with the next iteration's block-table entries and K/V
+//                               loads in flight during this one's math (decode_v4.cuh)
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
 // as in attention.cu and kv_cache.cu.
@@ -40,6 +43,21 @@
 //       power-of-two block size, an integer division otherwise).
 //       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-128 at G=3, 122-128
 //       at G=4, 209-239 at G=8; 0 spills, no stack frame; NVRTC compiles. No GPU has run it yet.
+//       Since v4: the same loop through a key policy (PagedKeys, decode_core.cuh), the split count by
+//       versions.split_plan (even tile-aligned ranges, the count wasting the least of the last wave) instead
+//       of whole 512-key partitions nearest one wave; ptxas 69-80 / 109-128 / 119-128 / 210-246.
+//   v4  decode_v4.cuh: the block-table entries a warp's next keys need are loaded once, one lane per entry,
+//       an iteration ahead of the K/V loads that use them (shuffled to the lanes), so a K/V load never waits
+//       for a table load; the K/V loads of iteration i+1 are issued before iteration i's math (register
+//       double-buffering); warps take contiguous keys; a transposed reduction of the partial dots (about 2
+//       shuffles per value instead of log2 of the lanes); the rescale skipped where no max moved; 16 dims
+//       per lane at head_dim 128 (G <= 4: 8 lanes per key), 2 keys per subgroup and buffer at 2 blocks per
+//       SM; the block size a compile-time power of two (KV_BLOCK; 0 divides at run time).
+//       Predicted (benchmarks/gpu_model.py, results/gpu_model.json, goal case B=64, S=4096, 32/8 heads,
+//       D=128, fp16): 268 us, 98% of the copy, copy-bound like v3 (v3: 879 instructions and 64 shuffles per
+//       warp-iteration of 8 keys; v4: 569-669 and 16), 2 blocks per SM at 247 registers (v3: 4 at 128).
+//       ptxas: 72-115 registers at G=1, 112-223 at G=3, 122-254 at G=4, 204-250 at G=8; 0 spills, no stack
+//       frame; NVRTC compiles. Measured: waits for a GPU (benchmarks/gpu_check.py times it beside v3).
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
 //   v2 31-43 (before the shared core: 32-48 both), attention_reduce_v2 31-32 (the old

@@ -22,6 +22,8 @@
 //   quantize_blocks_v1          encode the blocks a step fills (K and V of one layer), from the residual
 //   quant_decode_attention_v3   attention over codes (full blocks) and the residual (the open block),
 //                               dequantized in registers; split partials for paged.cu's attention_reduce_v2
+//   quant_decode_attention_v4   the same in decode_v4.cuh's loop: every code, scale and residual load of
+//                               an iteration issued before any is converted
 //
 // Version log (llm.c style):
 //   quantize_blocks_v1: one thread per record (GROUP values of one token and head), K and V;
@@ -40,8 +42,23 @@
 //   Measured: no GPU has run these kernels yet. ptxas (nvcc 13.0, sm_80/sm_90, the nvcc-check set):
 //       quant_decode_attention_v3 72-102 registers at G=1, 119-128 at G=4, 186-244 at G=8;
 //       quantize_blocks_v1 31-70; 0 spills, no stack frame; NVRTC compiles all 96 builds.
+//       Since v4, v3 runs through the same key policy (QuantKeys): its loads are issued for the iteration's
+//       keys before any is converted, too: ptxas 60-104 / 119-128 / 202-218 at G 1/4/8.
+//   quant_decode_attention_v4: decode_v4.cuh's loop over QuantKeys: the block-table entries one iteration
+//       ahead (one lane per entry, shuffled), all of an iteration's code, scale and residual loads issued
+//       before the first conversion (a key no longer waits for two memory round trips in series), the next
+//       iteration's loads in flight during this one's math; 16 dims per lane at head_dim 128 where a record
+//       holds them (GROUP a multiple of 16), 2 keys per buffer where the registers allow (fp16 residual, not
+//       kivi2). A planar layout (scales apart from 16-byte-aligned codes) would turn a lane's 8 two-byte code
+//       loads into one 16-byte load; it changes the bytes minikv.quant_codecs defines, so it is left for a
+//       step that changes both sides.
+//       Predicted (results/gpu_model.json; B=16, S=8192, 32/8 heads, D=128, fp16 residual): int8 105 us,
+//       1.3x the fp16 v4 kernel (v3: 0.88x), fp8 188 us, 0.72x (v3: 0.57x): both issue-bound (int8: 705
+//       instructions per warp-iteration of 8 keys, fp8's bit-built e4m3 decode: 1292); the 1.6x goal is
+//       not predicted. ptxas: 64-121 registers at G=1, 115-249 at G=4, 198-255 at G=8; 0 spills.
+//       Measured: waits for a GPU.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1,2,3 KV_BLOCK=16
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8 QCODEC=0,1,2,3 KV_BLOCK=16
 
 #include "decode.cuh"  // common.cuh, decode::run and the v3/v4 key loops
 

@@ -25,10 +25,11 @@
 // which H2O accumulates. A second pass over the keys recomputes the scores (v1: simple first).
 //
 // Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per (sequence,
-// KV head) over every slot, K/V tiles staged in shared memory):
+// KV head) over every slot, K/V tiles staged in shared memory; v3/v4 the register-resident loops):
 //   window_decode_v1   attention (+ optional in-cache rotation, + optional mass) of one decode
 //                      query per sequence over its slots
 //   window_decode_v3   the same attention (no mass) in decode_v3.cuh's register-resident design
+//   window_decode_v4   the same in decode_v4.cuh's loop: slot positions prefetched an iteration ahead
 //
 // Version log (llm.c style):
 //   window_decode_v1: attend_tiles.cuh's scheme with a per-slot visibility and rank: one block of
@@ -49,8 +50,21 @@
 //       window_decode_v3 88-118 registers at G=1, 142-175 at G=4, 217-240 at G=8 (a first try held G=4
 //       to 128 registers, __launch_bounds__(128, 4), and spilled 56 bytes on sm_90: hence 2 blocks/SM
 //       from G=4); 0 spills, no stack frame anywhere; NVRTC compiles all 24 builds.
+//       Fixed since: at head_dim 8 one lane holds a whole key (LANES = 1) and the 'half' rotation's partner
+//       lane l ^ LANES/2 was the lane itself, so each dim rotated against itself (max |v3 - v1| = 0.33);
+//       the pairs now lie inside the lane there. v3 runs through the key policy SlotKeys (decode_core.cuh)
+//       like v4: ptxas 93-124 / 149-179 / 230-246 registers at G 1/4/8.
+//   window_decode_v4: decode_v4.cuh's loop over SlotKeys: the positions of a warp's next slots loaded one
+//       lane per slot an iteration ahead and shuffled to the lanes (a K/V load never waits for its
+//       position), the next iteration's K/V in flight during this one's math, the transposed reduction,
+//       the rescale skipped; 8 dims per lane and one key per buffer at G = 4, which keeps 4 blocks per SM
+//       (128 registers, v3 needed 2 blocks per SM from G = 4); 2 keys at G = 1, 3 (fp16) and 8.
+//       Predicted (results/gpu_model.json; B=64, W=4096, 32/8 heads, D=128, fp16, no rotation): 337 us,
+//       78% of the copy, latency-bound (16 KB in flight per SM); v3 288 us, 91% (32 KB): the 4-blocks trim
+//       costs bytes in flight at G = 4. ptxas: 112-128 registers at G=1, 128 at G=4, 241-255 at G=8;
+//       0 spills. Measured: waits for a GPU (the first run decides between v3 and v4 here).
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "common.cuh"
 #include "online_softmax.cuh"
