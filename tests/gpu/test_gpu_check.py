@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from minikv_gpu import runtime
@@ -144,3 +145,22 @@ def test_case_byte_counts():
     case = gpu_check.AttnCase("x", batch=2, context=9, num_heads=6, num_kv_heads=3, head_dim=64, dtype="float16")
     assert case.kv_bytes() == 2 * 2 * 3 * 10 * 64 * 2
     assert case.min_bytes() == case.kv_bytes() + 2 * 4 * 2 * 6 * 64
+
+
+def test_a_tolerance_miss_is_recorded_and_keeps_the_row():
+    """A variant beyond its tolerance: the miss is kept in the row (and later in the report's errors, so the
+    run fails), and the caller goes on to time it, instead of losing the whole row to an exception."""
+    from gpu_check_kv_cache import check_variant
+    from gpu_check_report import format_markdown
+    from gpu_check_window import _check, errors
+
+    row = {"case": "goal x", "cache_dtype": "float16"}
+    assert check_variant(row, "v4", 3e-3, 1e-5) == {"rel_err": 3e-3, "within_tol": False}
+    assert check_variant(row, "v3", 1e-7, 1e-5)["within_tol"]
+    assert row["misses"] == ["v4: relative error 3.00e-03 > 1e-05"]
+    md = format_markdown({"attention": [row], "device": {}})
+    assert "tolerance miss, goal x float16: v4: relative error 3.00e-03" in md
+    entry: dict = {}
+    _check(entry, "v4", np.ones(3), np.ones(3) * 1.1)
+    assert entry["rel_err"] > 0.05 and len(entry["misses"]) == 1
+    assert errors({"v4": {**entry, "median_ms": 1.0}}) == [f"window v4: {entry['misses'][0]}"]
