@@ -32,7 +32,7 @@ partition (512, vLLM's) and S the longest context of the step:
 
 Before that rule: v4 (or v3, if asked) for a decode step they can serve (one new token per
 sequence, at most 8 query heads per KV head, head_dim a power of two;
-``versions.decode_refusal``). They split by ``versions.split_plan`` (``decode_splits``: even,
+``versions.decode_refusal``). They split by ``versions.split_plan`` (``versions.decode_splits``: even,
 tile-aligned key ranges of at least ``partition_size`` keys, the count that wastes the least of
 the last wave). An explicit ``version=3`` or ``4`` (``paged_attention(version=4)``,
 ``attend(version=4)``) that they cannot serve raises (``InvalidInputError`` for a prefill
@@ -73,7 +73,7 @@ from minikv_gpu.runtime import (
 
 __all__ = ["Block", "BlockAllocator", "chain_hash", "num_blocks_for", "slot_mapping", "default_blocks_per_tile",
            "query_positions", "check_paged_attention_args", "reshape_and_cache", "paged_attention", "copy_blocks",
-           "v1_or_v2", "decode_splits", "block_defines", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
+           "v1_or_v2", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
 
 KEY_TILE = 32          # keys per tile in paged.cu; partitions are whole tiles
 PARTITION_SIZE = 512   # keys per v2 partition (vLLM's PARTITION_SIZE)
@@ -126,22 +126,6 @@ def v1_or_v2(max_context: int, n_tokens: int, n_kv_heads: int, partition_size: i
         return 2
     blocks = n_tokens * n_kv_heads
     return 2 if blocks < BLOCKS_PER_SM * multiprocessors(get_runtime(runtime)) else 1
-
-
-def decode_splits(max_context: int, blocks: int, version: int, group: int, head_dim: int, partition_size: int,
-                  runtime=None, dims: int | None = None) -> tuple[int, int]:
-    """(n_splits, keys_per_split) of a v3/v4 launch of ``blocks`` (token, KV head) pairs: ``split_plan``
-    with at least ``partition_size`` keys per split, cut evenly in whole tiles. ``dims``: the kernel's
-    dims per lane, when not a plain row's (the quantized kernel's)."""
-    dims = versions.row_dims(version, head_dim, group) if dims is None else dims
-    return versions.split_plan(max_context, blocks, versions.blocks_per_sm(version, group, dims),
-                               multiprocessors(get_runtime(runtime)), tile=KEY_TILE, min_keys=partition_size)
-
-
-def block_defines(block_size: int) -> dict:
-    """v4's compile-time block size: the fast path (a shift and a mask per key) for a power of two,
-    else 0 (the kernel divides by its block_size argument)."""
-    return {"KV_BLOCK": int(block_size) if block_size & (block_size - 1) == 0 else 0}
 
 
 # --- the kernels as functions ----------------------------------------------------------------
@@ -212,14 +196,14 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
         args = head + (out,) + common + (scale,)
     else:
         if version >= 3:
-            parts, per = decode_splits(max_context, n * hkv, version, group, d, partition_size, rt)
+            parts, per = versions.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt)
             block, smem = (versions.DECODE_THREADS,), 0  # decode_core.cuh: 4 warps, static shared memory only
         else:
             parts, per = -(-max_context // partition_size), partition_size
         shape = (n, hq, parts) if parts > 1 or version == 2 else (1, 1, 1)  # v3/v4 unsplit: unused
         partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                     xp.empty(shape + (d,), dtype=np.float32))  # m, l, acc: kernels/split_k.cuh
-        kdefs = {**versions.decode_defines(defines, group), **block_defines(bs)} if version >= 3 else defines
+        kdefs = {**versions.decode_defines(defines, group), **versions.block_defines(bs)} if version >= 3 else defines
         kern = rt.kernel("paged", f"paged_decode_attention_v{version}", defines=kdefs)
         args = head + ((out,) if version >= 3 else ()) + partials + common + (np.int32(per), np.int32(parts), scale)
         if parts > 1 or version == 2:

@@ -85,13 +85,13 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
     n, hq, d = q.shape
     _, bs, hkv, _ = k_res.shape
     group = hq // hkv
-    parts, per = _gpu_paged.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt,
+    parts, per = versions.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt,
                                           dims=quant_dims(version, defines, group))
     out = xp.empty((n, hq, d), dtype=np.float32)
     shape = (n, hq, parts) if parts > 1 else (1, 1, 1)
     partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                 xp.empty(shape + (d,), dtype=np.float32))
-    kdefs = {**versions.decode_defines(defines, group), **_gpu_paged.block_defines(bs)}
+    kdefs = {**versions.decode_defines(defines, group), **versions.block_defines(bs)}
     kern = rt.kernel("quant", f"quant_decode_attention_v{version}", defines=kdefs)
     args = (q, k_res, v_res, k_codes, v_codes, tables, seq, pos, out) + partials + (
         np.int32(hq), np.int32(hkv), np.int32(bs), np.int32(tables.shape[1]), np.int32(per), np.int32(parts),

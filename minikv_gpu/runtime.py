@@ -40,7 +40,6 @@ block copies (``pinned_empty``, ``stream``, ``event``, ``copy_blocks_async``: ``
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import sys
@@ -60,6 +59,7 @@ from minikv.errors import (
 from . import cpu_sim
 from .cpu_sim import limits
 from .cpu_sim.signature import KernelDecl, check_args, find_kernels
+from .cupy_status import cupy_or_reason
 from .streams import CupyCopies, SimCopies
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -67,7 +67,6 @@ BACKENDS = ("cupy", "sim")
 ENV_VAR = "MINIKV_GPU_BACKEND"
 STATIC_SMEM_LIMIT = 48 * 1024     # static shared memory per block (the K/V tiles of the attention kernels)
 MAX_HEAD_DIM = 128                # the attention kernels' register accumulators and tiles are sized for it
-CUDA_ERROR_INSUFFICIENT_DRIVER, CUDA_ERROR_NO_DEVICE = 35, 100  # cudaError_t: driver too old, no device
 BLOCKS_PER_SM = 4  # split-K heuristics aim for this many blocks per multiprocessor (a block is only
 #                    G warps, so one per SM leaves too few loads in flight to stream from HBM);
 #                    a first guess: benchmarks/gpu_check.py sweeps the split count to tune it
@@ -293,57 +292,9 @@ def _declared_kernels(source: str, filename: str, defines, source_dir) -> dict[s
     return {k.name: k for k in find_kernels(text, marker=marker)}
 
 
-def driver_cuda_version() -> int | None:
-    """The CUDA version the NVIDIA driver supports (12040 for 12.4; libcuda's cuDriverGetVersion), or None
-    where there is no driver. Asked without CuPy, so it also says which CuPy wheel a machine needs."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value else None
-    except (OSError, AttributeError):
-        return None
-
-
-def _wheel_for(driver: int | None) -> str:
-    """The pip line for a driver: minikv[cuda12] or minikv[cuda13] (both name their CuPy wheel)."""
-    if driver is None:
-        return "on a machine with an NVIDIA driver, pip install 'minikv[cuda12]' (CUDA 12) or 'minikv[cuda13]' (13)"
-    extra = "cuda13" if driver >= 13000 else "cuda12"
-    return f"pip install 'minikv[{extra}]' (the driver supports CUDA {driver // 1000}.{driver % 1000 // 10})"
-
-
-def _cupy_or_reason():
-    """(cupy module, "") when a CUDA device is usable, else (None, why not and what to install: one line)."""
-    driver = driver_cuda_version()
-    try:
-        import cupy
-    except ImportError as exc:
-        return None, f"CuPy is not installed ({exc}); {_wheel_for(driver)}"
-    except Exception as exc:  # a wheel whose CUDA libraries cannot load (e.g. two cupy-cuda* wheels)
-        return None, f"CuPy is installed but does not load ({type(exc).__name__}: {exc}); pip uninstall the " \
-                     f"cupy-cuda* wheels, then {_wheel_for(driver)}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDA driver missing, too old for the wheel, no device, ...
-        status = getattr(exc, "status", None)
-        if driver is None:
-            return None, f"CuPy finds no NVIDIA driver (libcuda.so.1): {exc}"
-        if status == CUDA_ERROR_INSUFFICIENT_DRIVER:
-            return None, f"the NVIDIA driver (CUDA {driver // 1000}.{driver % 1000 // 10}) is older than this " \
-                         f"CuPy's CUDA toolkit: pip uninstall the cupy-cuda* wheels, then {_wheel_for(driver)}"
-        if status == CUDA_ERROR_NO_DEVICE:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            return None, "the driver sees no CUDA device" + (f" (CUDA_VISIBLE_DEVICES={visible!r})"
-                                                             if visible is not None else "")
-        return None, f"CuPy cannot reach a CUDA device: {exc}"
-    if count < 1:
-        return None, "CuPy sees no CUDA device"
-    return cupy, ""
-
-
 @functools.lru_cache(maxsize=1)
 def _auto_backend() -> str:
-    return "cupy" if _cupy_or_reason()[0] is not None else "sim"
+    return "cupy" if cupy_or_reason()[0] is not None else "sim"
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -366,7 +317,7 @@ def get_runtime(backend: str | Runtime | None = None) -> Runtime:
         backend = _auto_backend()
     if backend not in _RUNTIMES:
         if backend == "cupy":
-            cupy, reason = _cupy_or_reason()
+            cupy, reason = cupy_or_reason()
             if cupy is None:
                 raise BackendUnavailableError(f"backend 'cupy' cannot run here: {reason}. Use backend='sim' "
                                               f"(or {ENV_VAR}=sim) for the CPU simulator.")

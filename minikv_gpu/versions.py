@@ -17,9 +17,11 @@ Version numbers mean the same idea in every kernel file (``kernels/*.cu``, each 
 from __future__ import annotations
 
 from minikv.errors import ConfigError, InvalidInputError
+from minikv_gpu.runtime import get_runtime, multiprocessors
 
 __all__ = ["VERSIONS", "DECODE_VERSIONS", "MAX_DECODE_GROUP", "DECODE_THREADS", "check_version", "choose_version",
-           "split_plan", "decode_refusal", "row_dims", "blocks_per_sm", "decode_defines"]
+           "split_plan", "decode_refusal", "row_dims", "blocks_per_sm", "decode_defines", "decode_splits",
+           "block_defines"]
 
 VERSIONS = (1, 2, 3, 4)  # attention kernel versions of the GPU caches; the same N is the same idea in every file:
 #   1 one block per unit of work over its whole key range (K/V tiles in shared memory), 2 split-K + the shared
@@ -99,6 +101,7 @@ def _even_cut(max_keys: int, z: int, tile: int) -> int:
 # --- the register-resident decode versions (3 and 4): what they serve and how they are launched ----------
 
 MAX_DECODE_GROUP = 8  # query heads per KV head that v3 and v4 keep in registers
+KEY_TILE = 32         # split boundaries fall on whole tiles of 32 keys
 DECODE_THREADS = 128  # 4 warps per block (kernels/decode_core.cuh)
 
 
@@ -132,3 +135,19 @@ def blocks_per_sm(version: int, group: int, dims: int = 8) -> int:
 def decode_defines(defines: dict, group: int) -> dict:
     """A cache's compile-time defines plus the group size v3/v4 are specialised to."""
     return {**defines, "GQA_GROUP": int(group)}
+
+
+def decode_splits(max_context: int, blocks: int, version: int, group: int, head_dim: int, partition_size: int,
+                  runtime=None, dims: int | None = None) -> tuple[int, int]:
+    """(n_splits, keys_per_split) of a v3/v4 launch of ``blocks`` (token, KV head) pairs: ``split_plan``
+    with at least ``partition_size`` keys per split, cut evenly in whole tiles. ``dims``: the kernel's
+    dims per lane, when not a plain row's (the quantized kernel's)."""
+    dims = row_dims(version, head_dim, group) if dims is None else dims
+    return split_plan(max_context, blocks, blocks_per_sm(version, group, dims), multiprocessors(get_runtime(runtime)),
+                      tile=KEY_TILE, min_keys=partition_size)
+
+
+def block_defines(block_size: int) -> dict:
+    """v4's compile-time block size: the fast path (a shift and a mask per key) for a power of two,
+    else 0 (the kernel divides by its block_size argument)."""
+    return {"KV_BLOCK": int(block_size) if block_size & (block_size - 1) == 0 else 0}

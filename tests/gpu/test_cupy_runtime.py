@@ -16,7 +16,7 @@ import pytest
 from sim_sources import SOURCE
 
 from minikv.errors import KernelLaunchError
-from minikv_gpu import runtime
+from minikv_gpu import cupy_status, runtime
 
 
 class _Flags:
@@ -169,17 +169,17 @@ def _fake_cupy(status):
     return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count)))
 
 
-@pytest.mark.parametrize("driver, cupy_status, says", [
+@pytest.mark.parametrize("driver, status, says", [
     (12040, None, ["not installed", "minikv[cuda12]", "CUDA 12.4"]),   # Colab: a CUDA 12 driver, no CuPy
     (13000, None, ["not installed", "minikv[cuda13]"]),
     (None, None, ["not installed", "minikv[cuda12]", "minikv[cuda13]", "NVIDIA driver"]),
     (12020, 35, ["older than this CuPy", "uninstall", "minikv[cuda12]"]),  # cupy-cuda13x on a CUDA 12 driver
     (13000, 100, ["no CUDA device"]),
 ])
-def test_cupy_that_cannot_start_says_why_and_what_to_install(monkeypatch, driver, cupy_status, says):
-    monkeypatch.setattr(runtime, "driver_cuda_version", lambda: driver)
-    monkeypatch.setitem(sys.modules, "cupy", None if cupy_status is None else _fake_cupy(cupy_status))
-    cupy, reason = runtime._cupy_or_reason()
+def test_cupy_that_cannot_start_says_why_and_what_to_install(monkeypatch, driver, status, says):
+    monkeypatch.setattr(cupy_status, "driver_cuda_version", lambda: driver)
+    monkeypatch.setitem(sys.modules, "cupy", None if status is None else _fake_cupy(status))
+    cupy, reason = cupy_status.cupy_or_reason()
     assert cupy is None and "\n" not in reason
     for word in says:
         assert word in reason, (word, reason)
@@ -188,7 +188,7 @@ def test_cupy_that_cannot_start_says_why_and_what_to_install(monkeypatch, driver
 def test_compare_with_backend_cupy_fails_in_one_line_before_building_the_model(monkeypatch, capsys):
     from minikv import cli
 
-    monkeypatch.setattr(runtime, "driver_cuda_version", lambda: 12040)
+    monkeypatch.setattr(cupy_status, "driver_cuda_version", lambda: 12040)
     monkeypatch.setitem(sys.modules, "cupy", None)
     monkeypatch.setattr(runtime, "_RUNTIMES", {})
     code = cli.main(["compare", "--backend", "cupy", "--random", "--prompt", "hi", "--max-new-tokens", "1"])

@@ -7,6 +7,7 @@ at toy sizes on the simulator (checks against NumPy, timing plumbing, JSON and M
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,8 +45,11 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path, capsys):
     assert "no usable GPU" in err and "--sim-smoke" in err
 
 
-def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
-    assert gpu_check.main([str(tmp_path), "--sim-smoke"]) == 0
+def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path):
+    """bash benchmarks/gpu_check.sh OUT --sim-smoke: the script the GPU machine runs, every stage at toy sizes."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path), "--sim-smoke"],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] is True and report["errors"] == []
     assert report["device"]["backend"] == "sim"
@@ -93,8 +97,9 @@ def test_sim_smoke_runs_every_stage_and_writes_the_report(tmp_path, capsys):
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| smoke gqa3 |" in md and "device-to-device copy" in md and "## paged decode attention" in md
     assert "goal (" in md and "## torch SDPA backends" in md and "## window decode" in md and "## the model" in md
-    out = capsys.readouterr().out.rstrip()
+    out = proc.stdout.rstrip()
     assert out.count("[stage] ") == len(report["stages"]) and f"within {gpu_check.PLAN_S} s" in out
+    assert (tmp_path / "gpu_check.log").read_text().rstrip() == out  # the console, kept beside the report
     assert out.endswith(" s") and "gpu_check.md" in out.splitlines()[-1]
     print(f"sim smoke: {report['seconds']:.1f} s")  # must stay fast: CI runs it
 

@@ -20,7 +20,7 @@ from minikv.errors import (
     InvalidInputError,
     KernelDeadlockError,
 )
-from minikv_gpu import cpu_sim, runtime
+from minikv_gpu import cpu_sim, cupy_status, runtime
 from minikv_gpu.cpu_sim.signature import find_kernels
 
 # ---- runtime ---------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def test_backend_selection(monkeypatch):
 
 
 def test_asking_for_cupy_without_a_gpu_raises(monkeypatch):
-    cupy, reason = runtime._cupy_or_reason()
+    cupy, reason = cupy_status.cupy_or_reason()
     if cupy is not None:
         pytest.skip("this machine has a usable GPU")
     with pytest.raises(BackendUnavailableError, match="backend 'cupy' cannot run here"):
