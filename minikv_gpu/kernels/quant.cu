@@ -381,7 +381,9 @@ constexpr int V4_DIMS = decode_v4::ROW_DIMS == 16 && GROUP % 16 == 0 ? 16 : VEC;
 // and a key's words fit them twice (fp16 residual or G = 8's 8 dims; not kivi2's dequantized channels), else
 // 1. ptxas spilled at 2 with a float32 residual and 16 dims (16 words a side) and at G = 1 (4 blocks per SM).
 constexpr int V4_KEYS = decode::G * V4_DIMS > 32 && !K_CHANNEL && (CACHE_HALF || decode::G > 4) && HEAD_DIM > VEC ? 2 : 1;
-constexpr int V3_KEYS = decode::G > 4 ? 1 : 2;
+// v3: 2 keys per subgroup; 1 for G > 4, and for kivi2 from G = 3 (its channel keys, dequantized at load,
+// spilled 4 bytes at 2 with G = 3, D = 64, a float32 residual on sm_90).
+constexpr int V3_KEYS = decode::G > 4 || (K_CHANNEL && decode::G > 2) ? 1 : 2;
 
 }  // namespace quant
 
