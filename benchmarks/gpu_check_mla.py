@@ -72,11 +72,11 @@ def time_mla_case(rt, case: MLACase, timer: Timer, copy_gbs: float, rng) -> dict
     cache, m = _cache(rt, case, layers, rng)
     q = rng.standard_normal((case.batch, case.num_heads, m.qk_head_dim), dtype=np.float32)
     d = cache._dev
-    q_abs = absorbed_query(rt.xp, rt.asarray(q), cache._w_uk_t[0], m.qk_nope_head_dim)
+    q_abs = absorbed_query(rt.asarray(q), cache._w_uk_t[0], m.qk_nope_head_dim, runtime=rt)
 
     def launch(li):
-        return absorbed_attention(rt, cache.defines, q_abs, cache._layer_rows(li), (cache.max_len, d["table"]),
-                                  d["seq"], d["pos"], d["max_keys"], m.softmax_scale)
+        return absorbed_attention(cache.defines, q_abs, cache._layer_rows(li), (cache.max_len, d["table"]),
+                                  d["seq"], d["pos"], d["max_keys"], m.softmax_scale, runtime=rt)
 
     got = rt.asnumpy(cache.attend(0, rt.asarray(q)))[0]  # the whole path: query absorb, kernel, W_UV
     lat0 = rt.asnumpy(cache.latent[0, 0, 0, :case.context + 1]).astype(np.float32)

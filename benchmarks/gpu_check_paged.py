@@ -1,5 +1,5 @@
 """GPU check, step 3: paged decode attention (``minikv_gpu.paged``) on the contiguous stage's histories
-copied into paged caches: v1, v2 (split-K), v3 (register-resident) and the automatic choice, each checked
+copied into paged caches: v1, v2 (split-K), v3 and v4 (register-resident) and the automatic choice, each checked
 against the contiguous kernel's output, and every torch SDPA backend on the history gathered back out of
 the blocks."""
 
@@ -53,20 +53,22 @@ def _paged_copy(rt, case: AttnCase, contiguous, kd, vd):
 
 
 def time_paged_decode_attention(rt, case: AttnCase, caches, qd, kd, vd, timer: Timer, copy_gbs: float) -> dict:
-    """Time paged_decode_attention v1, v2, v3 and the automatic choice on ``caches``' histories copied into
-    paged caches; each must equal the contiguous decode kernel's output (<= ATTN_RTOL relative)."""
+    """Time paged_decode_attention v1, v2, v3, v4 and the automatic choice on ``caches``' histories copied into
+    paged caches; each is checked against the contiguous decode kernel's output (a miss beyond ATTN_RTOL is
+    recorded in ``misses`` and the variant still timed)."""
+    from gpu_check_kv_cache import check_variant
+
     want = rt.asnumpy(caches[0].prepare_attend(0, qd, version=1)())
     copies = [_paged_copy(rt, case, c, kd, vd) for c in caches]
     paged = [c for c, _, _ in copies]
     res = {"block_size": PAGED_BLOCK_SIZE}
-    for name, version in (("v1", 1), ("v2", 2), ("v3", 3), ("auto", None)):
+    tol = ATTN_RTOL[np.dtype(case.dtype).type]
+    for name, version in (("v4", 4), ("v3", 3), ("v1", 1), ("v2", 2), ("auto", None)):
         fns = [c.prepare_attend(0, qd, version=version) for c in paged]
         got = rt.asnumpy(fns[0]())
-        err = rel_err(got, want)
-        if not err <= ATTN_RTOL[np.dtype(case.dtype).type]:
-            raise AssertionError(f"{case.name} paged {name}: relative error {err:.2e} against the contiguous kernel")
-        entry = {"version": fns[0].version, "partitions": fns[0].partitions, "rel_err": err}
-        if name == "auto":  # the same launch as v1 or v2: reuse its timing
+        entry = {"version": fns[0].version, "partitions": fns[0].partitions,
+                 **check_variant(res, f"paged {name}", rel_err(got, want), tol)}
+        if name == "auto":  # the same launch as one of the others: reuse its timing
             entry["median_ms"] = res[f"v{fns[0].version}"]["median_ms"]
         else:
             t = timer.median_ms(fns)

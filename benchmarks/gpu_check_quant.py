@@ -4,10 +4,11 @@
     python benchmarks/gpu_check_quant.py OUT.json --sim-smoke   # here: toy sizes on the simulator
 
 One decode step of B sequences at context S (the goal case: llama-8B heads, Hq 32, Hkv 8, D 128,
-B 16, S 8192; block 16): the same history in a fp16 ``PagedKVCache`` (v3) and in ``int8`` / ``fp8``
-quantized caches (fp16 residual). Per kv_dtype: median time, the bytes attention reads per token
-(codes + scales of one token, K and V, all KV heads), achieved GB/s on those bytes, the speed-up
-over fp16 (issue 11's goal on an H200: >= 1.6x, about half the bytes) and the relative error of
+B 16, S 8192; block 16): the same history in a fp16 ``PagedKVCache`` and in ``int8`` / ``fp8``
+quantized caches (fp16 residual), each timed with v3 and v4. Per kv_dtype and version: median time,
+the bytes attention reads per token (codes + scales of one token, K and V, all KV heads), achieved GB/s
+on those bytes, the speed-up over fp16 with the same version (issue 11's goal on an H200: >= 1.6x, about
+half the bytes) and the relative error of
 the output against the fp16 kernel's (quantization error, recorded, not a kernel check: the kernels
 are checked against NumPy by tests/gpu/test_gpu_quant.py).
 """
@@ -28,6 +29,7 @@ from gpu_check_common import Timer, rel_err, stage_main  # noqa: E402
 GOAL = dict(batch=16, context=8192, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 SMOKE = dict(batch=2, context=40, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
 KV_DTYPES = ("int8", "fp8")
+VERSIONS = (3, 4)
 GOAL_SPEEDUP = 1.6  # over the fp16 v3 kernel, on an H200
 
 
@@ -54,7 +56,8 @@ def _filled(rt, cls, case: dict, **kw):
 
 
 def run_quant(rt, smoke: bool, timer: Timer, copy_gbs: float = float("nan")) -> dict:
-    """Time fp16 v3 and each quantized kv_dtype on one decode step; see the module docstring."""
+    """Time fp16 and each quantized kv_dtype on one decode step, v3 and v4; see the module docstring. Entries
+    are named "<kv_dtype>_v<N>" (fp16: the plain paged cache); speed-ups compare the same version."""
     from minikv_gpu.paged import PagedKVCache
     from minikv_gpu.quant import QuantizedPagedKVCache
 
@@ -62,34 +65,40 @@ def run_quant(rt, smoke: bool, timer: Timer, copy_gbs: float = float("nan")) -> 
     b, s, hkv, d = (case[k] for k in ("batch", "context", "num_kv_heads", "head_dim"))
     q = _randn(rt, (b, case["num_heads"], d), 5)
     res: dict = {"case": dict(case), "goal_speedup": GOAL_SPEEDUP, "copy_gb_per_s": copy_gbs}
-    ref = _filled(rt, PagedKVCache, case, version=3)
-    launch = ref.prepare_attend(0, q, version=3)
-    want = rt.asnumpy(launch())
     fp16_bytes = 2 * hkv * d * 2  # K and V of one token, all KV heads
-    t = timer.median_ms([launch])
-    res["fp16"] = {**t, "bytes_per_token": fp16_bytes, "partitions": launch.partitions,
-                   "gb_per_s": b * (s + 1) * fp16_bytes / (t["median_ms"] * 1e-3) / 1e9}
+    ref = _filled(rt, PagedKVCache, case)
+    want = {}
+    for v in VERSIONS:
+        launch = ref.prepare_attend(0, q, version=v)
+        want[v] = rt.asnumpy(launch())
+        t = timer.median_ms([launch])
+        res[f"fp16_v{v}"] = {**t, "bytes_per_token": fp16_bytes, "partitions": launch.partitions,
+                             **_rates(b * (s + 1) * fp16_bytes, t, copy_gbs)}
     ref.abort_step()
     del ref
     for kv in KV_DTYPES:
         cache = _filled(rt, QuantizedPagedKVCache, case, kv_dtype=kv)
-        fn = cache.prepare_attend(0, q)
-        got = rt.asnumpy(fn())
         per_token = cache.bytes_per_token()  # one layer: exactly what attention reads per coded token
-        t = timer.median_ms([fn])
-        entry = {**t, "bytes_per_token": per_token, "partitions": fn.partitions,
-                 "bytes_ratio_vs_fp16": per_token / fp16_bytes,
-                 "gb_per_s": b * (s + 1) * per_token / (t["median_ms"] * 1e-3) / 1e9,
-                 "speedup_vs_fp16": res["fp16"]["median_ms"] / t["median_ms"],
-                 "rel_err_vs_fp16": rel_err(got, want), "finite": bool(np.all(np.isfinite(got)))}
-        entry["of_copy"] = entry["gb_per_s"] / copy_gbs
-        entry["meets_goal"] = entry["speedup_vs_fp16"] >= GOAL_SPEEDUP
-        if not entry["finite"]:
-            raise AssertionError(f"quant {kv}: the output has non-finite values")
-        res[kv] = entry
+        for v in VERSIONS:
+            fn = cache.prepare_attend(0, q, version=v)
+            got = rt.asnumpy(fn())
+            t = timer.median_ms([fn])
+            entry = {**t, "bytes_per_token": per_token, "partitions": fn.partitions,
+                     "bytes_ratio_vs_fp16": per_token / fp16_bytes, **_rates(b * (s + 1) * per_token, t, copy_gbs),
+                     "speedup_vs_fp16": res[f"fp16_v{v}"]["median_ms"] / t["median_ms"],
+                     "rel_err_vs_fp16": rel_err(got, want[v]), "finite": bool(np.all(np.isfinite(got)))}
+            entry["meets_goal"] = entry["speedup_vs_fp16"] >= GOAL_SPEEDUP
+            if not entry["finite"]:
+                raise AssertionError(f"quant {kv} v{v}: the output has non-finite values")
+            res[f"{kv}_v{v}"] = entry
         cache.abort_step()
         del cache
     return res
+
+
+def _rates(nbytes: int, t: dict, copy_gbs: float) -> dict:
+    gbs = nbytes / (t["median_ms"] * 1e-3) / 1e9
+    return {"gb_per_s": gbs, "of_copy": gbs / copy_gbs}
 
 
 def main(argv: list[str] | None = None) -> int:

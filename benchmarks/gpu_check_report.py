@@ -22,38 +22,93 @@ def _sdpa_best_ms(sdpa) -> float | None:
 
 
 def row_ratios(row: dict) -> dict:
-    """What a case is judged by: v3's fraction of the copy (contiguous and paged), its speed-up over
-    v1, v2 and the best SDPA backend (time ratios: > 1 means v3 is faster)."""
+    """What a case is judged by: v3's and v4's fraction of the copy (contiguous and paged), their speed-up over
+    v1, v2 (and v4 over v3) and over the best SDPA backend (time ratios: > 1 means the register-resident
+    kernel is faster). Partial rows (a stage still running) give what they have."""
     out: dict = {}
     for where, base, sdpa in (("", row, row.get("torch_sdpa")),
                               ("paged_", row.get("paged", {}), row.get("paged", {}).get("torch_sdpa_gathered"))):
-        v3 = _ms(base.get("v3"))
-        if v3 is None:
-            continue
-        out[f"{where}v3_of_copy"] = base["v3"].get("of_copy")
-        for other in ("v1", "v2"):
-            if _ms(base.get(other)):
-                out[f"{where}v3_vs_{other}"] = base[other]["median_ms"] / v3
-        if _sdpa_best_ms(sdpa):
-            out[f"{where}v3_vs_best_sdpa"] = _sdpa_best_ms(sdpa) / v3
-            out[f"{where}best_sdpa_backend"] = sdpa["best"]["backend"]
+        for ver in ("v3", "v4"):
+            ms = _ms(base.get(ver))
+            if ms is None:
+                continue
+            out[f"{where}{ver}_of_copy"] = base[ver].get("of_copy")
+            for other in ("v1", "v2") + (("v3",) if ver == "v4" else ()):
+                if _ms(base.get(other)):
+                    out[f"{where}{ver}_vs_{other}"] = base[other]["median_ms"] / ms
+            if _sdpa_best_ms(sdpa):
+                out[f"{where}{ver}_vs_best_sdpa"] = _sdpa_best_ms(sdpa) / ms
+                out[f"{where}best_sdpa_backend"] = sdpa["best"]["backend"]
     return out
 
 
 def goal_summary(report: dict) -> dict:
-    """The goal (issue 9) read off the goal case's row: v3 >= 85% of the measured copy and >= 1.0x the
-    best SDPA backend, for the contiguous and the paged cache. ``met`` is None until it was measured."""
+    """The goal (issue 9) read off the goal case's row: the register-resident decode kernel (the better of v3
+    and v4) >= 85% of the measured copy and >= 1.0x the best SDPA backend, for the contiguous and the paged
+    cache. ``met`` is None until it was measured on a GPU."""
     summary = {"case": GOAL_CASE.name, "targets": GOAL_TARGETS, "met": None}
     rows = [r for r in report.get("attention", []) if r.get("case", "").startswith("goal")]
-    if not rows or "ratios" not in rows[0]:
+    if not rows:
         return summary
-    ratios = rows[0]["ratios"]
-    summary.update({k: ratios.get(k) for k in ("v3_of_copy", "v3_vs_best_sdpa", "best_sdpa_backend",
-                                                "paged_v3_of_copy", "paged_v3_vs_best_sdpa")})
+    ratios = row_ratios(rows[0])
+    keys = [f"{w}{v}_{k}" for w in ("", "paged_") for v in ("v3", "v4") for k in ("of_copy", "vs_best_sdpa")]
+    summary.update({k: ratios.get(k) for k in keys + ["best_sdpa_backend", "v4_vs_v3", "paged_v4_vs_v3"]})
     if report.get("device", {}).get("backend") == "cupy":
-        checks = [ratios.get(f"{w}{k}") for w in ("", "paged_") for k in GOAL_TARGETS]
-        summary["met"] = all(c is not None and c >= GOAL_TARGETS[k] for c, k in zip(checks, list(GOAL_TARGETS) * 2))
+        def met(where: str) -> bool:
+            return any(all((ratios.get(f"{where}{v}_{k[3:]}") or 0) >= t for k, t in GOAL_TARGETS.items())
+                       for v in ("v3", "v4"))
+        summary["met"] = met("") and met("paged_")
     return summary
+
+
+MODEL_JSON = Path(__file__).resolve().parent / "results" / "gpu_model.json"
+
+
+def _measured(report: dict, name: str) -> dict | None:
+    """The measured entry that gpu_model.py's case ``name`` predicts (None if not measured)."""
+    goal = next((r for r in report.get("attention", []) if r.get("case", "").startswith("goal")), {})
+    kind, rest = name.split(" ", 1)
+    ver = "v4" if "v4" in rest else "v3"
+    if kind == "kv_cache":
+        return goal.get(ver)
+    if kind == "paged":
+        return goal.get("paged", {}).get(ver)
+    if kind == "quant":
+        return (report.get("quant") or {}).get(f"{rest.split()[0]}_{ver}")
+    if kind == "window":
+        return (report.get("window") or {}).get(ver)
+    return None
+
+
+def model_vs_measured(report: dict, path: Path = MODEL_JSON) -> list[dict]:
+    """benchmarks/gpu_model.py's predictions (results/gpu_model.json) beside this run's measurements of the
+    same cases: time, fraction of the copy, and measured / predicted time (1.0: the model was right)."""
+    if not path.is_file():
+        return [{"error": f"{path} not found: run python benchmarks/gpu_model.py"}]
+    model = json.loads(path.read_text())
+    rows = []
+    for case in model["cases"]:
+        got, pred = _measured(report, case["name"]) or {}, case["predicted"]
+        ms = got.get("median_ms")
+        rows.append({"case": case["name"], "predicted_us": pred["us"], "predicted_of_copy": pred["of_copy"],
+                     "limited_by": pred["limited_by"], "measured_us": None if ms is None else round(ms * 1e3, 1),
+                     "measured_of_copy": got.get("of_copy"),
+                     "measured_over_predicted": None if ms is None else round(ms * 1e3 / pred["us"], 2)})
+    return rows
+
+
+def _md_model(report: dict) -> list[str]:
+    rows = report.get("model") or []
+    lines = ["", "## the model (benchmarks/gpu_model.py) beside the measurement", "",
+             "| case | predicted us | measured us | measured / predicted | predicted of copy | measured of copy | "
+             "model's limit |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            return lines + [f"| {r['error']} ||||||"]
+        lines.append(f"| {r['case']} | {r['predicted_us']} | {_fmt(r['measured_us'])} | "
+                     f"{_fmt(r['measured_over_predicted'])} | {_fmt(r['predicted_of_copy'], '.0%')} | "
+                     f"{_fmt(r['measured_of_copy'], '.0%')} | {r['limited_by']} |")
+    return lines if rows else []
 
 
 def _md_head(report: dict) -> list[str]:
@@ -62,19 +117,22 @@ def _md_head(report: dict) -> list[str]:
     lines = [f"# GPU check ({dev.get('gpu', dev.get('backend', '?'))}, {dev.get('date', '')})", ""]
     lines.append(f"status: **{'PASS' if report.get('ok') else 'FAIL'}**; wall time {report.get('seconds', 0):.0f} s")
     tests = report.get("tests", {})
-    lines += ["", f"tests (pytest -m gpu): {tests.get('status', '-')} {tests.get('summary', tests.get('reason', ''))}"]
+    lines += ["", f"tests (pytest -m gpu): {tests.get('status', '-')} {tests.get('summary', tests.get('reason', ''))}"
+                  f" {tests.get('counts', '')}"]
+    lines += [f"- failed: {t}" for t in tests.get("failed", [])]
     san = report.get("sanitizer", {})
     lines += [f"compute-sanitizer: {san.get('status', '-')} " + (san.get("reason", "") or ", ".join(
         f"{c} {san[c].get('status')} ({san[c].get('summary', '')})" for c in ("memcheck", "racecheck") if c in san))]
     lines += ["", "## compare (NumPy vs GPU, greedy tokens of the NumPy path fed to both)", "",
-              "| model | cache | dtype | fused | steps | max abs dlogit | tokens agree | numpy s | gpu s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| model | cache | dtype | fused | steps | max abs dlogit | tokens agree | near ties | numpy s | gpu s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in report.get("compare", []):
         if "error" in c:
-            lines.append(f"| error | {c['error']} |||||||")
+            lines.append(f"| error | {c['error']} ||||||||")
             continue
         lines.append(f"| {c['model']} | {c['cache']} | {c['cache_dtype']} | {c['fused']} | {c['steps']} | "
-                     f"{c['max_abs_logit_diff']:.2e} | {c['tokens_agree']} | {c['numpy_s']:.2f} | {c['gpu_s']:.2f} |")
+                     f"{c['max_abs_logit_diff']:.2e} | {c['tokens_agree']} | {c.get('ties') or '-'} | "
+                     f"{c['numpy_s']:.2f} | {c['gpu_s']:.2f} |")
     return lines
 
 
@@ -89,26 +147,31 @@ def _md_attention(report: dict) -> list[str]:
              f"(paged {_fmt(goal.get('paged_v3_vs_best_sdpa'), '.2f')}x; target {GOAL_TARGETS['v3_vs_best_sdpa']}): "
              f"met = {goal.get('met')}", "",
              "## decode attention (one new token per sequence; GB/s = min bytes / median time)", "",
-             "| case | cache | v1 us | v2 us | v3 us | v3 GB/s | v3 % copy | auto | fused us | SDPA best us | "
-             "v3 vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | cache | v1 us | v2 us | v3 us | v4 us | v4 GB/s | v3 % copy | v4 % copy | auto | fused us | "
+             "SDPA best us | v4 vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.get("attention", []):
-        if "error" in r:
-            lines.append(f"| {r.get('case', '?')} | {r.get('cache_dtype', '?')} | error: {r['error']} |||||||||")
+        if "error" in r or "auto" not in r:
+            lines.append(f"| {r.get('case', '?')} | {r.get('cache_dtype', '?')} | "
+                         f"{r.get('error', 'incomplete (the stage was cut short)')} |||||||||||")
             continue
         best = r.get("torch_sdpa", {}).get("best", {})
-        us = {k: _fmt(_ms(r.get(k)) * 1e3, ".1f") if _ms(r.get(k)) else "-" for k in ("v1", "v2", "v3", "fused")}
-        lines.append(f"| {r['case']} | {r['cache_dtype']} | {us['v1']} | {us['v2']} | {us['v3']} | "
-                     f"{_fmt(r['v3'].get('gb_per_s'), '.0f')} | {100 * r['v3'].get('of_copy', float('nan')):.0f} | "
+        us = {k: _fmt(_ms(r.get(k)) * 1e3, ".1f") if _ms(r.get(k)) else "-" for k in ("v1", "v2", "v3", "v4", "fused")}
+        pct = {k: f"{100 * r[k].get('of_copy', float('nan')):.0f}" if k in r else "-" for k in ("v3", "v4")}
+        lines.append(f"| {r['case']} | {r['cache_dtype']} | {us['v1']} | {us['v2']} | {us['v3']} | {us['v4']} | "
+                     f"{_fmt(r.get('v4', {}).get('gb_per_s'), '.0f')} | {pct['v3']} | {pct['v4']} | "
                      f"v{r['auto']['version']} x{r['auto']['splits']} | {us['fused']} | "
                      f"{_fmt(best['median_ms'] * 1e3, '.1f') if best else 'n/a'} {best.get('backend', '')} | "
-                     f"{_fmt(r.get('ratios', {}).get('v3_vs_best_sdpa'), '.2f')} |")
+                     f"{_fmt(r.get('ratios', {}).get('v4_vs_best_sdpa'), '.2f')} |")
+    for r in report.get("attention", []):
+        for miss in r.get("misses", []) + r.get("paged", {}).get("misses", []):
+            lines.append(f"- tolerance miss, {r['case']} {r['cache_dtype']}: {miss} (timed all the same)")
     return lines
 
 
 def _md_sweep(report: dict) -> list[str]:
     """The split sweeps of v2 and v3 (empty when no row has one)."""
     lines: list[str] = []
-    for key, what in (("split_sweep_ms", "v2"), ("v3_split_sweep_ms", "v3")):
+    for key, what in (("split_sweep_ms", "v2"), ("v3_split_sweep_ms", "v3"), ("v4_split_sweep_ms", "v4")):
         sweeps = [r for r in report.get("attention", []) if r.get(key)]
         if not sweeps:
             continue
@@ -128,20 +191,21 @@ def _md_paged(report: dict) -> list[str]:
     paged = [r for r in report.get("attention", []) if r.get("paged")]
     if paged:
         lines += ["", f"## paged decode attention (blocks of {PAGED_BLOCK_SIZE} tokens; same data, same GB/s floor)",
-                  "", "| case | cache | v1 us | v2 us (parts) | v3 us (parts) | v3 GB/s | v3 % copy | auto | "
-                  "SDPA gathered best us | v3 vs SDPA |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "", "| case | cache | v1 us | v2 us (parts) | v3 us (parts) | v4 us (parts) | v4 GB/s | v3 % copy | "
+                  "v4 % copy | auto | SDPA gathered best us | v4 vs SDPA |", "|---" * 12 + "|"]
         for r in paged:
             p = r["paged"]
-            if "error" in p:
-                lines.append(f"| {r['case']} | {r['cache_dtype']} | error: {p['error']} ||||||||")
+            if "error" in p or "auto" not in p:
+                lines.append(f"| {r['case']} | {r['cache_dtype']} | error: {p.get('error', 'incomplete')} ||||||||||")
                 continue
             best = p.get("torch_sdpa_gathered", {}).get("best", {})
-            lines.append(f"| {r['case']} | {r['cache_dtype']} | {p['v1']['median_ms'] * 1e3:.1f} | "
-                         f"{p['v2']['median_ms'] * 1e3:.1f} ({p['v2']['partitions']}) | "
-                         f"{p['v3']['median_ms'] * 1e3:.1f} ({p['v3']['partitions']}) | {p['v3']['gb_per_s']:.0f} | "
-                         f"{100 * p['v3']['of_copy']:.0f} | v{p['auto']['version']} | "
+            cells = [f"{p[v]['median_ms'] * 1e3:.1f}" + (f" ({p[v]['partitions']})" if v != "v1" else "")
+                     for v in ("v1", "v2", "v3", "v4")]
+            lines.append(f"| {r['case']} | {r['cache_dtype']} | " + " | ".join(cells) +
+                         f" | {p['v4']['gb_per_s']:.0f} | "
+                         f"{100 * p['v3']['of_copy']:.0f} | {100 * p['v4']['of_copy']:.0f} | v{p['auto']['version']} | "
                          f"{_fmt(best['median_ms'] * 1e3, '.1f') if best else 'n/a'} {best.get('backend', '')} | "
-                         f"{_fmt(r.get('ratios', {}).get('paged_v3_vs_best_sdpa'), '.2f')} |")
+                         f"{_fmt(r.get('ratios', {}).get('paged_v4_vs_best_sdpa'), '.2f')} |")
     return lines
 
 
@@ -185,7 +249,7 @@ def _md_window(report: dict) -> list[str]:
     lines = ["", f"## window decode ({c['name']}, S={c['sinks']} sinks, {c['num_heads']}/{c['num_kv_heads']} heads, "
                  f"D={c['head_dim']}, {c['dtype']} slots; kernel alone)", "",
              "| variant | us | GB/s | of copy | rel err | note |", "|---|---|---|---|---|---|"]
-    for name in ("v1", "v3", "v1_mass", "v3_rope"):
+    for name in ("v1", "v3", "v4", "v1_mass", "v3_rope", "v4_rope"):
         e = res.get(name, {})
         if "median_ms" not in e:
             lines.append(f"| {name} | - | - | - | - | {e.get('error', 'not run')[:120]} |")
@@ -198,7 +262,7 @@ def _md_window(report: dict) -> list[str]:
 def format_markdown(report: dict) -> str:
     """The human-readable summary (also written to gpu_check.md)."""
     lines = _md_head(report) + _md_attention(report) + _md_sweep(report) + _md_paged(report) + _md_sdpa(report)
-    lines += _md_mla(report) + _md_window(report)
+    lines += _md_mla(report) + _md_window(report) + _md_model(report)
     lines += ["", "stages: " + ", ".join(f"{k} {v.get('status')} {v.get('seconds', '')}"
                                          for k, v in report.get("stages", {}).items())]
     if report.get("errors"):

@@ -6,14 +6,14 @@ of ``kernels/attention.cu`` read through pointers. Everything is float32.
 
     q: [..., Hq,  T, D]   k, v: [..., Hkv, S, D]   out: [..., Hq, T, D]
 
-Two versions of ``causal_attention`` (two paths; the kernels' own ``_v<N>`` numbers
-follow ``kernels/attention.cu``'s scheme):
+Two versions of ``causal_attention``; ``version=N`` runs the kernels named ``_vN``, and N
+means what it means in every kernel file (``minikv_gpu.versions``):
 
-* ``version=1``: ``q k^T`` with ``xp.matmul``, the ``causal_softmax_v1`` kernel,
+* ``version=0``: ``q k^T`` with ``xp.matmul``, the ``causal_softmax_v0`` kernel,
   then ``probs v``: the textbook, which writes the [Hq, T, S] scores to memory;
-* ``version=2`` (default): one kernel, ``causal_attention_v1``, with an online
-  softmax over tiles of 32 keys (``kernels/online_softmax.cuh``); the scores never
-  leave the chip.
+* ``version=1`` (default): one kernel, ``causal_attention_v1``, one block per 4 query
+  rows over their whole key range, with an online softmax over tiles of 32 keys
+  (``kernels/online_softmax.cuh``); the scores never leave the chip.
 
 GPU-wing restriction: ``head_dim`` is a multiple of 8 and at most 128 (16-byte
 vector loads; the key/value tiles fit the 48 KB of static shared memory).
@@ -48,13 +48,13 @@ def _masked_softmax(rt, scores, t: int, causal: bool):
     r, s = scores.shape
     out = rt.xp.empty_like(scores)
     if r and s:
-        k = rt.kernel("attention", "causal_softmax_v1")
+        k = rt.kernel("attention", "causal_softmax_v0")
         k((r,), (THREADS,), (scores, out, np.int32(r), np.int32(max(t, 1)), np.int32(s), np.int32(causal)))
     return out
 
 
 def softmax(x, axis: int = -1, *, runtime=None):
-    """Numerically stable softmax along ``axis`` (kernel ``causal_softmax_v1`` without a mask).
+    """Numerically stable softmax along ``axis`` (kernel ``causal_softmax_v0`` without a mask).
 
     As in ``minikv.attention.softmax``, a row whose maximum is not finite is
     shifted by 0 instead, and a row whose exponentials sum to 0 returns zeros.
@@ -70,7 +70,7 @@ def softmax(x, axis: int = -1, *, runtime=None):
     return rt.xp.moveaxis(out, -1, axis)
 
 
-def check_qkv(q, k, v, rt=None) -> None:
+def check_qkv(q, k, v, *, runtime=None) -> None:
     """Validate an attention call on device arrays; raise ShapeError/DTypeError/ConfigError.
 
     The shape rules are the NumPy reference's own ``check_qkv``, applied to
@@ -78,7 +78,7 @@ def check_qkv(q, k, v, rt=None) -> None:
     the same calls); on top, the GPU wing computes in float32 only and needs a
     supported head_dim.
     """
-    rt = get_runtime(rt)
+    rt = get_runtime(runtime)
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, (rt.xp.ndarray, np.ndarray)):
             raise DTypeError(f"{name} must be a {rt.xp.__name__} or numpy array, got {type(a).__name__}")
@@ -98,10 +98,10 @@ def attention_weights(q, k, causal: bool = True, *, runtime=None):
     """The attention probabilities ``softmax(q k^T / sqrt(D) + mask)``: [..., Hq, T, S].
 
     Query t of T sits at position ``S - T + t`` and sees keys ``0 .. S - T + t``.
-    Scores come from ``xp.matmul``; the mask and softmax from ``causal_softmax_v1``.
+    Scores come from ``xp.matmul``; the mask and softmax from ``causal_softmax_v0``.
     """
     rt = get_runtime(runtime)
-    check_qkv(q, k, k, rt)
+    check_qkv(q, k, k, runtime=rt)
     q, k = device_f32(rt, q, "q"), device_f32(rt, k, "k")
     *batch, hq, t, d = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
@@ -113,20 +113,26 @@ def attention_weights(q, k, causal: bool = True, *, runtime=None):
     return probs.reshape(*batch, hq, t, s)
 
 
-def causal_attention(q, k, v, causal: bool = True, *, version: int = 2, runtime=None):
+def causal_attention(q, k, v, causal: bool = True, check: bool = True, *, version: int = 1, runtime=None):
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
 
     q: [..., Hq, T, D], k/v: [..., Hkv, S, D] -> out: [..., Hq, T, D] (float32)
-    version 1: matmul + softmax kernel + matmul; version 2: the fused kernel ``causal_attention_v1``.
+    check: validate the call (``minikv.attention.causal_attention``'s argument; the dtype and head_dim
+    checks of the GPU wing run always, since a kernel cannot take what they refuse)
+    version 0: matmul + ``causal_softmax_v0`` + matmul; version 1: the fused kernel ``causal_attention_v1``.
     """
     rt = get_runtime(runtime)
-    check_qkv(q, k, v, rt)
-    if version not in (1, 2):
-        raise ConfigError(f"version={version!r}; causal_attention has versions 1 (matmul + softmax) and 2 (fused)")
+    if check:
+        check_qkv(q, k, v, runtime=rt)
+    else:
+        head_dim_defines(q.shape[-1])
+    if isinstance(version, bool) or version not in (0, 1):
+        raise ConfigError(f"version={version!r}; causal_attention has versions 0 (the textbook: matmul + "
+                          "softmax kernel + matmul) and 1 (the fused kernel)")
     q, k, v = (device_f32(rt, a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     *batch, hq, t, d = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
-    if version == 1:
+    if version == 0:
         probs = attention_weights(q, k, causal, runtime=rt).reshape(*batch, hkv, hq // hkv, t, s)
         out = rt.xp.matmul(probs, v[..., None, :, :])  # [..., Hkv, G, T, D]
         return rt.xp.ascontiguousarray(out.reshape(*batch, hq, t, d))

@@ -11,23 +11,24 @@ is the constructor: the device storage comes in through its storage hook
   positions ``0 .. pos`` of its sequence, one block per (token, KV head) so the
   whole GQA group shares every K/V tile it loads; or ``decode_attention_v2``
   (split-K: long histories split into ranges that run in parallel, merged by
-  the shared ``attention_reduce_v2``);
-  or ``decode_attention_v3`` (decode steps: K/V straight into registers, the GQA group's
-  queries in registers, ``kernels/decode_v3.cuh``);
+  the shared ``attention_reduce_v2``); or ``decode_attention_v3`` / ``_v4`` (decode
+  steps: K/V straight into registers, the GQA group's queries in registers,
+  ``kernels/decode_v3.cuh`` and ``decode_v4.cuh``, which keeps the next iteration's
+  loads in flight);
 * ``rope_write_attend`` -> ``rope_write_attend_v1`` / ``_v2``: the fused kernel (RoPE
   on q and k, cache write and attention in one launch) for decode steps.
 
-``version`` (the cache's, or per call) means what it means for ``minikv_gpu.paged``:
-1 = one block per (token, KV head), 2 = split-K + reduce, 3 = the register-resident
-decode kernel, None = choose per step. The choice here: v3 on a decode step it can serve
-(``v3_refusal``: one new token per sequence, at most ``V3_MAX_GROUP`` query heads per KV
-head, head_dim a power of two); otherwise ``num_splits`` ranges (None = automatic:
-``BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per
-range), v1 when that is one. v3 splits the same way, with the split count nearest one
-wave of its own blocks (``v3_blocks_per_sm``). v3 is decode-only: a call's explicit ``version=3`` on a
+``version`` (the cache's, or per call) means what it means for ``minikv_gpu.paged`` (the
+numbers are ``minikv_gpu.versions``'): 1 = one block per (token, KV head), 2 = split-K +
+reduce, 3 and 4 = the register-resident decode kernels, None = choose per step. The choice
+(``versions.choose_version``): v4 on a decode step it can serve (``versions.decode_refusal``:
+one new token per sequence, at most 8 query heads per KV head, head_dim a power of two),
+split by ``versions.split_plan``; otherwise ``num_splits`` ranges (None = automatic:
+``BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` keys per range),
+v1 when that is one. v3 and v4 are decode-only: a call's explicit ``version=3`` or ``4`` on a
 step with more than one new token for some sequence raises ``InvalidInputError`` (and
-``ConfigError`` for a group or head_dim it cannot serve, or for the fused op); the
-cache's ``version=3`` is a policy, so such steps fall back to the automatic v1/v2.
+``ConfigError`` for a group or head_dim they cannot serve, or for the fused op); the cache's
+``version=3``/``4`` is a policy, so such steps fall back to the automatic v1/v2.
 
 The cache stores float32 or float16 (``dtype``); attention always computes in
 float32, exactly as the NumPy cache casts what it reads to the query's dtype.
@@ -40,6 +41,7 @@ import numpy as np
 from minikv import kv_cache as _cpu
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
+from minikv_gpu import versions
 from minikv_gpu.attention import causal_attention  # NoCache: step 1's attention is its whole data path
 from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
@@ -47,63 +49,16 @@ from minikv_gpu.runtime import (
     cache_defines,
     check_device_query,
     check_device_rows,
-    check_version,
     device_f32,
     get_runtime,
     head_dim_defines,
     multiprocessors,
 )
 
-__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM", "V3_MAX_GROUP",
-           "resolve_version", "v3_blocks_per_sm", "v3_defines", "v3_refusal"]
+__all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
 
 KEY_TILE = 32             # keys per tile in kv_cache.cu; split boundaries are multiples of it
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its parallelism
-
-
-# --- v3, the register-resident decode kernel (kernels/decode_v3.cuh); shared with minikv_gpu.paged ------
-
-V3_MAX_GROUP = 8  # query heads per KV head that v3 keeps in registers
-
-
-def v3_refusal(group: int, head_dim: int, decode: bool, fused: bool = False) -> tuple[type, str] | None:
-    """Why v3 cannot serve a launch, as (error type, message); None when it can."""
-    if fused:
-        return ConfigError, "the fused rope_write_attend has versions 1 and 2 only (v3 is decode attention)"
-    if not decode:
-        return InvalidInputError, ("version=3 is a decode kernel (one new token per sequence) and this step has "
-                                   "a sequence with more; use version 1, 2 or None (which falls back)")
-    if group > V3_MAX_GROUP:
-        return ConfigError, f"version=3 keeps at most {V3_MAX_GROUP} query heads per KV head in registers, got {group}"
-    if head_dim & (head_dim - 1):
-        return ConfigError, f"version=3 needs head_dim a power of two (D/8 lanes per key), got {head_dim}"
-    return None
-
-
-def resolve_version(requested, default, refusal) -> int | None:
-    """The version to run (None: v1/v2 by the split rule). A call's ``requested`` version wins over the
-    cache's ``default``. 3, or None, runs v3 where ``refusal`` is None; otherwise an explicit request
-    for 3 raises the refusal, and the cache's default of 3 falls back to the automatic choice (a cache
-    serves prefill steps too)."""
-    explicit = requested is not None
-    version = check_version(requested if explicit else default)
-    if version not in (None, 3):
-        return version
-    if refusal is None:
-        return 3
-    if explicit and version == 3:
-        raise refusal[0](refusal[1])
-    return None
-
-
-def v3_blocks_per_sm(group: int) -> int:
-    """Resident v3 blocks per multiprocessor (decode_v3.cuh's V3_BLOCKS_PER_SM): the one-wave target."""
-    return 2 if group > 4 else 4
-
-
-def v3_defines(defines: dict, group: int) -> dict:
-    """A cache's compile-time defines plus the group size v3 is specialised to."""
-    return {**defines, "GQA_GROUP": int(group)}
 
 
 def _check_num_splits(num_splits):
@@ -149,7 +104,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     NumPy class's (inherited, constructor included); this class owns the device
     storage (``_new_store``), ``write``, ``attend`` and the fused ``rope_write_attend``.
 
-    ``version`` (None, 1, 2 or 3; see the module docstring) and ``num_splits`` (``None`` =
+    ``version`` (None, 1, 2, 3 or 4; see the module docstring) and ``num_splits`` (``None`` =
     automatic) choose the attention kernel and how many ranges a sequence's history
     is split into. Automatic aims for ``BLOCKS_PER_SM`` blocks per multiprocessor and
     at least ``MIN_KEYS_PER_SPLIT`` keys per range; the simulator counts as one
@@ -160,7 +115,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
                  dtype=np.float32, *, runtime=None, version: int | None = None, num_splits: int | None = None):
         head_dim_defines(head_dim)  # fail before allocating anything
-        self.version = check_version(version)
+        self.version = versions.check_version(version)
         self.num_splits = _check_num_splits(num_splits)
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} needs "
@@ -269,17 +224,14 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
                               f"head and {STATIC_SMEM_LIMIT} bytes are supported")
         return device_f32(self.rt, q, "q")
 
-    def _splits(self, requested: int | None, n_blocks: int, per_sm: int = BLOCKS_PER_SM,
-                nearest: bool = False) -> tuple[int, int]:
-        """(n_splits, keys_per_split) for a launch of ``n_blocks`` (token, KV head) pairs; automatic:
-        at least ``per_sm`` blocks per multiprocessor (v2), or the split count nearest one wave of
-        them (``nearest``, v3: 512 blocks on 528 slots stay unsplit rather than make two waves)."""
+    def _splits(self, requested: int | None, n_blocks: int) -> tuple[int, int]:
+        """v2's (n_splits, keys_per_split) for a launch of ``n_blocks`` (token, KV head) pairs; automatic:
+        at least ``BLOCKS_PER_SM`` blocks per multiprocessor and ``MIN_KEYS_PER_SPLIT`` keys per range."""
         max_keys = self._dev["max_keys"]
         want = requested if requested is not None else self.num_splits
         if want is None:
-            target = per_sm * multiprocessors(self.rt)
-            waves = (target + n_blocks // 2) // n_blocks if nearest else -(-target // n_blocks)
-            want = min(max(1, waves), -(-max_keys // MIN_KEYS_PER_SPLIT))
+            target = BLOCKS_PER_SM * multiprocessors(self.rt)
+            want = min(max(1, -(-target // n_blocks)), -(-max_keys // MIN_KEYS_PER_SPLIT))
         want = max(1, min(int(want), -(-max_keys // KEY_TILE)))  # never an empty split on the longest sequence
         per = -(-max_keys // want)
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
@@ -287,15 +239,20 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
 
     def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool) -> tuple[int, int, int]:
         """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
-        automatic); v3 (decode steps; see ``resolve_version``) splits the same way, aiming at one
-        wave of its own blocks; None without v3: v2 when the split count comes out above 1."""
-        refusal = v3_refusal(group, self.head_dim, self._dev["decode"], fused)
-        version = resolve_version(version, self.version, refusal)
+        automatic); v3/v4 (decode steps; ``versions.choose_version``) split by ``versions.split_plan``;
+        None without them: v2 when the split count comes out above 1."""
+        refusal = versions.decode_refusal(group, self.head_dim, self._dev["decode"], fused)
+        version = versions.choose_version(version, self.version, refusal)
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
                               "needs version=2 (or None)")
-        per_sm = v3_blocks_per_sm(group) if version == 3 else BLOCKS_PER_SM
-        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks, per_sm, nearest=version == 3)
+        if version in (3, 4):
+            per_sm = versions.blocks_per_sm(version, group, versions.row_dims(version, self.head_dim, group))
+            want = num_splits if num_splits is not None else self.num_splits
+            splits, per = versions.split_plan(self._dev["max_keys"], n_blocks, per_sm, multiprocessors(self.rt),
+                                     tile=KEY_TILE, min_keys=MIN_KEYS_PER_SPLIT, requested=want)
+            return version, splits, per
+        splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
         return version or (2 if splits > 1 else 1), splits, per
 
     def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits):
@@ -310,18 +267,18 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
                  np.int32(self.max_len))
         scale = np.float32(1.0 / np.sqrt(d))
         grid, block, smem = (n, self.num_kv_heads, splits), (32 * group,), 4 * group * d
-        defines = v3_defines(self.defines, group) if version == 3 else self.defines
+        defines = versions.decode_defines(self.defines, group) if version >= 3 else self.defines
         kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=defines)
         reduce = None
         if version == 1:
             args = head + (out,) + sizes + (scale,)
         else:
-            shape = (n, hq, splits) if splits > 1 or version == 2 else (1, 1, 1)  # v3 unsplit: unused
+            shape = (n, hq, splits) if splits > 1 or version == 2 else (1, 1, 1)  # v3/v4 unsplit: unused
             parts = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                      xp.empty(shape + (d,), dtype=np.float32))
-            args = head + ((out,) if version == 3 else ()) + parts + sizes + (np.int32(per), np.int32(splits), scale)
-            if version == 3:
-                block, smem = (128,), 0  # decode_v3.cuh: 4 warps, static shared memory only
+            args = head + ((out,) if version >= 3 else ()) + parts + sizes + (np.int32(per), np.int32(splits), scale)
+            if version >= 3:
+                block, smem = (versions.DECODE_THREADS,), 0  # decode_core.cuh: 4 warps, static shared memory only
             if splits > 1 or version == 2:
                 reduce = rt.kernel("kv_cache", "attention_reduce_v2", defines=self.defines)
                 reduce_args = parts + (self._dev["pos"], out, np.int32(hq), np.int32(per), np.int32(splits))

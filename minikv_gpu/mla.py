@@ -30,13 +30,15 @@ from typing import Sequence
 import numpy as np
 
 from minikv import mla as _cpu
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice
 from minikv.kv_cache import Step
 from minikv.mla.latent import FORMS, LatentUp, MLAConfig, latent_bytes_per_token
 from minikv.paged.attention import query_positions, slot_mapping
 from minikv_gpu.runtime import check_device_rows, device_f32, get_runtime, multiprocessors
+from minikv_gpu.versions import split_plan
 
-__all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "mla_defines", "latent_write",
+__all__ = ["FORMS", "LatentUp", "MLAConfig", "latent_bytes_per_token", "latent_attention", "reference_attention",
+           "mla_defines", "latent_write",
            "absorbed_query", "absorbed_attention", "choose_splits", "LatentNoCache", "LatentContiguousKVCache",
            "LatentPagedKVCache", "HEADS_PER_WARP", "WARPS", "BLOCKS_PER_SM", "MIN_KEYS_PER_SPLIT"]
 
@@ -65,9 +67,10 @@ def mla_defines(mla: MLAConfig, dtype) -> dict:
             "MLA_HEADS_PER_WARP": HEADS_PER_WARP}
 
 
-def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
+def latent_write(defines: dict, latent, cache_rows, rows, *, runtime=None) -> None:
     """``cache_rows[rows[n]] = latent[n]`` (rows[n] = -1: skipped). latent: [N, Dl] float32 device array;
     cache_rows: one layer's [rows, Dl] device view; rows: [N] int64 device array."""
+    rt = get_runtime(runtime)
     n, w = latent.shape
     if n == 0:
         return
@@ -76,26 +79,23 @@ def latent_write(rt, defines: dict, latent, cache_rows, rows) -> None:
         ((vectors + WRITE_THREADS - 1) // WRITE_THREADS,), (WRITE_THREADS,), (latent, cache_rows, rows, np.int32(n)))
 
 
-def absorbed_query(xp, q, w_uk_t, dn: int):
+def absorbed_query(q, w_uk_t, dn: int, *, runtime=None):
     """q: [N, Hq, Dn + dr] -> q_abs = [q_nope W_UK^T ; q_pe]: [N, Hq, r + dr] (w_uk_t: [Hq, Dn, r])."""
+    xp = get_runtime(runtime).xp
     q_lat = xp.matmul(xp.ascontiguousarray(q[:, :, :dn].transpose(1, 0, 2)), w_uk_t)  # [Hq, N, r]
     return xp.ascontiguousarray(xp.concatenate([q_lat.transpose(1, 0, 2), q[:, :, dn:]], axis=2))
 
 
 def choose_splits(max_keys: int, blocks: int, runtime=None, num_splits: int | None = None) -> tuple[int, int]:
-    """(n_splits, keys_per_split): ``num_splits`` if given, else the count nearest one wave of
-    ``BLOCKS_PER_SM`` blocks per multiprocessor (1 from 2/3 of a wave up), ranges of >= 256 keys."""
-    if num_splits is None:
-        wave = BLOCKS_PER_SM * multiprocessors(get_runtime(runtime))
-        z = 1 if 3 * blocks >= 2 * wave else min(-(-max_keys // MIN_KEYS_PER_SPLIT), max(1, round(wave / blocks)))
-    else:
-        z = int(num_splits)
-    per = max(1, -(-max_keys // max(1, z)))
-    return -(-max_keys // per), per
+    """(n_splits, keys_per_split): ``num_splits`` if given, else ``versions.split_plan``'s count for
+    ``BLOCKS_PER_SM`` blocks per multiprocessor (even ranges of at least ``MIN_KEYS_PER_SPLIT`` keys; the
+    MLA kernel needs no tile alignment)."""
+    sms = multiprocessors(get_runtime(runtime))
+    return split_plan(max_keys, blocks, BLOCKS_PER_SM, sms, tile=1, min_keys=MIN_KEYS_PER_SPLIT, requested=num_splits)
 
 
-def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
-                       scale: float, num_splits: int | None = None):
+def absorbed_attention(defines: dict, q_abs, cache_rows, tables, token_seq, token_pos, max_keys: int,
+                       scale: float, num_splits: int | None = None, *, runtime=None):
     """``mla_decode_attention_v3`` (+ ``attention_reduce_v2`` when split): [N, Hq, r] float32.
 
     q_abs: [N, Hq, Dl] float32 (unscaled); cache_rows: one layer's [rows, Dl] device array;
@@ -103,6 +103,7 @@ def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, 
     ``table[b, j // block_size] * block_size + j % block_size`` (contiguous: block_size = max_len,
     table [B, 1] of slots); token_seq, token_pos: [N] int32 device arrays (token n sees keys 0..pos[n]).
     """
+    rt = get_runtime(runtime)
     xp = rt.xp
     n, hq, _ = q_abs.shape
     r, chunk = defines["MLA_R"], defines["HEAD_DIM"]
@@ -125,6 +126,35 @@ def absorbed_attention(rt, defines: dict, q_abs, cache_rows, tables, token_seq, 
         rt.kernel("mla", "attention_reduce_v2", defines=defines)(
             (n, hq * c), (32,), parts + (token_pos, out, np.int32(hq * c), np.int32(per), np.int32(z)))
     return out
+
+
+def latent_attention(q, read, past: int, up: LatentUp, mla: MLAConfig, form: str = "auto",
+                     key_tile: int | None = None, *, runtime=None):
+    """``minikv.mla.latent.latent_attention`` on the GPU: one sequence's T queries [T, Hq, Dn + dr] (q_pe rotated) at
+    positions past .. past+T-1 over its latents ``read(0, past + T)`` [S, Dl] -> [T, Hq, Dv] float32 (device).
+
+    Always the absorbed form (``mla_decode_attention_v3``, then W_UV); ``form`` is checked and otherwise
+    changes only rounding in the reference (it expands a prefill's own tokens), ``key_tile`` is unused (the
+    kernel walks keys). The latents keep the dtype ``read`` gives them (float32 or float16)."""
+    check_choice("form", form, FORMS)
+    rt = get_runtime(runtime)
+    t = int(q.shape[0])
+    lat = read(0, past + t)
+    lat = lat if isinstance(lat, rt.xp.ndarray) else rt.asarray(np.ascontiguousarray(lat))
+    defines = mla_defines(mla, lat.dtype)
+    dev = lambda a: rt.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    q_abs = absorbed_query(device_f32(rt, q, "q"), dev(up.w_uk.transpose(0, 2, 1)), mla.qk_nope_head_dim, runtime=rt)
+    i32 = lambda a: rt.asarray(np.asarray(a, dtype=np.int32))  # noqa: E731
+    o = absorbed_attention(defines, q_abs, rt.xp.ascontiguousarray(lat), (past + t, i32([[0]])), i32(np.zeros(t)),
+                           i32(past + np.arange(t)), past + t, mla.softmax_scale, runtime=rt)  # [T, Hq, r]
+    out = rt.xp.matmul(rt.xp.ascontiguousarray(o.transpose(1, 0, 2)), dev(up.w_uv))        # [Hq, T, Dv]
+    return rt.xp.ascontiguousarray(out.transpose(1, 0, 2))
+
+
+def reference_attention(q, lat, up: LatentUp, mla: MLAConfig, *, runtime=None):
+    """``minikv.mla.latent.reference_attention`` on the GPU: q [T, Hq, Dn + dr] over the same T tokens' latents lat
+    [T, Dl], causally -> [T, Hq, Dv] (the absorbed kernel; the reference decompresses every key instead)."""
+    return latent_attention(q, lambda k0, k1: lat[k0:k1], 0, up, mla, runtime=runtime)
 
 
 class _LatentKernels:
@@ -157,9 +187,9 @@ class _LatentKernels:
     def _attend_rows(self, layer: int, q, cache_rows, tables, seq, pos, max_keys: int, num_splits=None):
         """Absorbed attention of q: [N, Hq, Dn + dr] over ``cache_rows`` -> [N, Hq, Dv] float32 (device)."""
         xp, dn = self.rt.xp, self.mla.qk_nope_head_dim
-        q_abs = absorbed_query(xp, device_f32(self.rt, q, "q"), self._w_uk_t[layer], dn)
-        o = absorbed_attention(self.rt, self.defines, q_abs, cache_rows, tables, seq, pos, max_keys,
-                               self.mla.softmax_scale, num_splits)                        # [N, Hq, r]
+        q_abs = absorbed_query(device_f32(self.rt, q, "q"), self._w_uk_t[layer], dn, runtime=self.rt)
+        o = absorbed_attention(self.defines, q_abs, cache_rows, tables, seq, pos, max_keys,
+                               self.mla.softmax_scale, num_splits, runtime=self.rt)       # [N, Hq, r]
         out = xp.matmul(xp.ascontiguousarray(o.transpose(1, 0, 2)), self._w_uv[layer])  # [Hq, N, Dv]
         return xp.ascontiguousarray(out.transpose(1, 0, 2))
 
@@ -244,7 +274,7 @@ class LatentContiguousKVCache(_LatentKernels, _cpu.LatentContiguousKVCache):
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
-        latent_write(self.rt, self.defines, latent, self._layer_rows(layer), self._dev["rows"])
+        latent_write(self.defines, latent, self._layer_rows(layer), self._dev["rows"], runtime=self.rt)
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
         """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32 on the device)."""
@@ -308,7 +338,8 @@ class LatentPagedKVCache(_LatentKernels, _cpu.LatentPagedKVCache):
         self._check_layer(layer)
         self._check_latent(latent, v)
         latent = device_f32(self.rt, latent, "latent").reshape(latent.shape[0], -1)
-        latent_write(self.rt, self.defines, latent, self.pool[layer].reshape(-1, self.head_dim), self._dev["rows"])
+        latent_write(self.defines, latent, self.pool[layer].reshape(-1, self.head_dim), self._dev["rows"],
+                     runtime=self.rt)
 
     def attend(self, layer: int, q, *, num_splits: int | None = None):
         """Absorbed MLA attention (q: [N, Hq, Dn + dr] -> [N, Hq, Dv] float32) over each sequence's blocks."""

@@ -138,11 +138,12 @@ class _MLADeviceLayer:
                    up(lw.w_down_t.T))
 
 
-def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, rt):
+def mla_attention_block(x, lw: _MLADeviceLayer, cfg: ModelConfig, cache, li: int, cos, sin, *, runtime=None):
     """``minikv.mla.block.mla_attention_block`` on the device: x [N, H] -> [N, H].
 
     The cache receives each token's latent ``[c_kv ; RoPE(k_pe)]`` [N, 1, W] and attends for
     ``[q_nope ; RoPE(q_pe)]`` [N, Hq, Dn + P] (a ``minikv_gpu.mla`` latent cache)."""
+    rt = get_runtime(runtime)
     m, xp, n, hq = cfg.mla, rt.xp, x.shape[0], cfg.num_heads
     dn, r, w = m.qk_nope_head_dim, m.kv_lora_rank, m.latent_dim
     a = xp.matmul(rms_norm(x, lw.attn_norm, cfg.rms_eps, runtime=rt), lw.wa)
@@ -226,12 +227,14 @@ class Model(_cpu.Model):
         return kind(**self.new_cache_args(), max_seqs=max_seqs, max_len=max_len,
                                  dtype=self.cache_dtype, runtime=self.rt, **kwargs)
 
-    def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None, all_logits: bool = False):
+    def forward(self, tokens: Sequence, cache, seq_ids: Sequence | None = None, all_logits: bool = False,
+                then=None):
         """Run the new tokens of several sequences through the model (see ``minikv.model.Model.forward``).
 
         tokens:  B lists of new token ids (sequence i brings T_i tokens)
         cache:   a ``minikv_gpu.kv_cache`` or ``minikv_gpu.paged`` cache; the sequences must already be added
         seq_ids: B cache ids (default 0..B-1)
+        then:    ``then(logits)`` runs before the step commits; if it raises, the step rolls back
         returns: float32 logits on the device, [B, V] (each sequence's last token) or [N, V]
         """
         c, rt, xp = self.config, self.rt, self.rt.xp
@@ -250,7 +253,7 @@ class Model(_cpu.Model):
             x = self.embed[ids]  # [N, H]
             for li, lw in enumerate(self._layers):
                 if c.mla is not None:
-                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, rt)
+                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, runtime=rt)
                     x = x + self._mlp(x, lw)
                     continue
                 h = rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt)
@@ -271,6 +274,8 @@ class Model(_cpu.Model):
                 last = rt.asarray(np.cumsum([t.size for t in toks]) - 1)
                 x = x[last]
             logits = xp.matmul(rms_norm(x, self.final_norm, c.rms_eps, runtime=rt), self.lm_head.T)
+            if then is not None:
+                then(logits)
         assert logits.dtype == np.float32, logits.dtype  # no silent float64 promotion
         return logits
 

@@ -12,12 +12,13 @@ and data movement move to the device (``kernels/paged.cu``):
 * ``attend`` -> ``paged_decode_attention_v1`` (one block per (token, KV head)
   walks the whole context through the block table), ``..._v2`` (split-K:
   partitions of the context in parallel, merged by the shared ``attention_reduce_v2``)
-  or ``..._v3`` (decode steps: K/V straight into registers, ``kernels/decode_v3.cuh``);
+  or ``..._v3`` / ``..._v4`` (decode steps: K/V straight into registers, ``kernels/decode_v3.cuh``,
+  ``decode_v4.cuh``: v4 keeps the next iteration's loads in flight);
 * copy-on-write and swap -> ``copy_blocks`` (through the storage hooks
   ``_copy_blocks``, ``_swap_out_blocks``, ``_swap_in_blocks`` of the NumPy class).
 
-Which attention version (``choose_version``, after vLLM's rule)
-----------------------------------------------------------------
+Which attention version (``versions.choose_version``, then vLLM's rule ``v1_or_v2``)
+------------------------------------------------------------------------------
 v2 costs an extra launch and a round trip of partial results through memory; it
 pays when v1 would leave the GPU idle. With ``P = PARTITION_SIZE`` keys per
 partition (512, vLLM's) and S the longest context of the step:
@@ -29,16 +30,17 @@ partition (512, vLLM's) and S the longest context of the step:
 * otherwise v2 when the launch has fewer than ``BLOCKS_PER_SM`` blocks per
   multiprocessor (N tokens * Hkv heads), else v1.
 
-Before that rule: v3 for a decode step it can serve (one new token per sequence, at most
-8 query heads per KV head, head_dim a power of two; ``minikv_gpu.kv_cache.v3_refusal``).
-v3 splits into whole partitions, as many as bring its N * Hkv blocks nearest one wave
-(``v3_partitions``). An explicit ``version=3`` (``paged_attention(version=3)``,
-``attend(version=3)``) that v3 cannot serve raises (``InvalidInputError`` for a prefill
-step, ``ConfigError`` otherwise); the cache's ``version=3`` falls back to the rule above.
+Before that rule: v4 (or v3, if asked) for a decode step they can serve (one new token per
+sequence, at most 8 query heads per KV head, head_dim a power of two;
+``versions.decode_refusal``). They split by ``versions.split_plan`` (``versions.decode_splits``: even,
+tile-aligned key ranges of at least ``partition_size`` keys, the count that wastes the least of
+the last wave). An explicit ``version=3`` or ``4`` (``paged_attention(version=4)``,
+``attend(version=4)``) that they cannot serve raises (``InvalidInputError`` for a prefill
+step, ``ConfigError`` otherwise); the cache's ``version=3``/``4`` falls back to the rule above.
 
 vLLM uses v1 when ``S <= 8192 and (partitions == 1 or num_seqs * num_heads > 512)``;
 ours counts thread blocks (one per KV head, not per query head) against the
-device's size. ``version=1``, ``2`` or ``3`` forces one (the cache's ``version`` argument,
+device's size. ``version=1`` .. ``4`` forces one (the cache's ``version`` argument,
 or ``attend(..., version=)``).
 
 Attention computes in float32 whatever the pool stores, as the NumPy cache casts
@@ -55,14 +57,13 @@ from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
 from minikv.paged.allocator import Block, BlockAllocator, HashFn, chain_hash, num_blocks_for  # host-side, as is
 from minikv.paged.attention import check_paged_attention_args, default_blocks_per_tile, query_positions, slot_mapping
-from minikv_gpu.kv_cache import resolve_version, v3_blocks_per_sm, v3_defines, v3_refusal
+from minikv_gpu import versions
 from minikv_gpu.runtime import (
     BLOCKS_PER_SM,
     STATIC_SMEM_LIMIT,
     cache_defines,
     check_device_query,
     check_device_rows,
-    check_version,
     device_f32,
     get_runtime,
     head_dim_defines,
@@ -72,7 +73,7 @@ from minikv_gpu.runtime import (
 
 __all__ = ["Block", "BlockAllocator", "chain_hash", "num_blocks_for", "slot_mapping", "default_blocks_per_tile",
            "query_positions", "check_paged_attention_args", "reshape_and_cache", "paged_attention", "copy_blocks",
-           "choose_version", "v3_partitions", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
+           "v1_or_v2", "PagedKVCache", "KEY_TILE", "PARTITION_SIZE", "V1_MAX_CONTEXT"]
 
 KEY_TILE = 32          # keys per tile in paged.cu; partitions are whole tiles
 PARTITION_SIZE = 512   # keys per v2 partition (vLLM's PARTITION_SIZE)
@@ -116,30 +117,15 @@ def _check_partition_size(partition_size) -> int:
     return int(partition_size)
 
 
-def choose_version(max_context: int, n_tokens: int, n_kv_heads: int, partition_size: int = PARTITION_SIZE,
-                   runtime=None, *, v3: bool = False) -> int:
-    """The attention version for a launch (see the module docstring): 3 when ``v3`` (a decode step
-    that v3 can serve), else 1 or 2."""
-    if v3:
-        return 3
+def v1_or_v2(max_context: int, n_tokens: int, n_kv_heads: int, partition_size: int = PARTITION_SIZE,
+             runtime=None) -> int:
+    """vLLM's rule between v1 and v2 for a launch that v3/v4 do not serve (see the module docstring)."""
     if max_context <= partition_size:
         return 1
     if max_context > V1_MAX_CONTEXT:
         return 2
     blocks = n_tokens * n_kv_heads
     return 2 if blocks < BLOCKS_PER_SM * multiprocessors(get_runtime(runtime)) else 1
-
-
-def v3_partitions(max_context: int, blocks: int, group: int, partition_size: int, runtime=None) -> tuple[int, int]:
-    """(n_splits, keys_per_split) of a v3 launch of ``blocks`` (token, KV head) pairs: the split
-    count nearest one wave (``v3_blocks_per_sm`` per multiprocessor; 1 from 2/3 of a wave up),
-    in whole partitions of ``partition_size`` keys."""
-    parts = max(1, -(-max_context // partition_size))
-    wave = v3_blocks_per_sm(group) * multiprocessors(get_runtime(runtime))
-    blocks = max(blocks, 1)
-    z = max(1, min(parts, (wave + blocks // 2) // blocks))
-    per = -(-parts // z) * partition_size
-    return max(1, -(-max_context // per)), per
 
 
 # --- the kernels as functions ----------------------------------------------------------------
@@ -190,7 +176,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
     """Allocate the buffers of one attention launch and return ``launch()`` -> out [N, Hq, D] float32.
 
     Arguments are already checked; ``tables``, ``token_seq``, ``token_pos`` are int32 device arrays;
-    ``version`` is resolved (``resolve_version``: None means v1 or v2 by ``choose_version``).
+    ``version`` is resolved (``versions.choose_version``: None means v1 or v2 by ``v1_or_v2``).
     ``launch.version`` and ``launch.partitions`` say what was chosen (for benchmarks).
     """
     xp = rt.xp
@@ -198,7 +184,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
     _, bs, hkv, _ = k_pool.shape
     group = hq // hkv
     if version is None:
-        version = choose_version(max_context, n, hkv, partition_size, rt)
+        version = v1_or_v2(max_context, n, hkv, partition_size, rt)
     out = xp.empty((n, hq, d), dtype=np.float32)
     common = (np.int32(hq), np.int32(hkv), np.int32(bs), np.int32(tables.shape[1]))
     scale = np.float32(1.0 / np.sqrt(d))
@@ -209,17 +195,17 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
         kern = rt.kernel("paged", "paged_decode_attention_v1", defines=defines)
         args = head + (out,) + common + (scale,)
     else:
-        if version == 3:
-            parts, per = v3_partitions(max_context, n * hkv, group, partition_size, rt)
-            block, smem = (128,), 0  # decode_v3.cuh: 4 warps, static shared memory only
+        if version >= 3:
+            parts, per = versions.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt)
+            block, smem = (versions.DECODE_THREADS,), 0  # decode_core.cuh: 4 warps, static shared memory only
         else:
             parts, per = -(-max_context // partition_size), partition_size
-        shape = (n, hq, parts) if parts > 1 or version == 2 else (1, 1, 1)  # v3 unsplit: unused
+        shape = (n, hq, parts) if parts > 1 or version == 2 else (1, 1, 1)  # v3/v4 unsplit: unused
         partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                     xp.empty(shape + (d,), dtype=np.float32))  # m, l, acc: kernels/split_k.cuh
-        kern = rt.kernel("paged", f"paged_decode_attention_v{version}",
-                         defines=v3_defines(defines, group) if version == 3 else defines)
-        args = head + ((out,) if version == 3 else ()) + partials + common + (np.int32(per), np.int32(parts), scale)
+        kdefs = {**versions.decode_defines(defines, group), **versions.block_defines(bs)} if version >= 3 else defines
+        kern = rt.kernel("paged", f"paged_decode_attention_v{version}", defines=kdefs)
+        args = head + ((out,) if version >= 3 else ()) + partials + common + (np.int32(per), np.int32(parts), scale)
         if parts > 1 or version == 2:
             reduce = rt.kernel("paged", "attention_reduce_v2", defines=defines)
             reduce_args = partials + (token_pos, out, np.int32(hq), np.int32(per), np.int32(parts))
@@ -235,7 +221,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
 
 
 def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
-                    blocks_per_tile: int | None = None, *, version: int | None = None,
+                    blocks_per_tile: int | None = None, load_tile=None, *, version: int | None = None,
                     partition_size: int = PARTITION_SIZE, runtime=None):
     """``minikv.paged.attention.paged_attention`` on the GPU: packed queries over each sequence's blocks.
 
@@ -244,8 +230,10 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     block_tables: [B, max_blocks]; context_lens, query_lens: [B] (host or device; small)
     blocks_per_tile: checked as in the reference and otherwise unused: the kernels walk tiles of
                   ``KEY_TILE`` keys whatever the block size
-    version:      1, 2, 3 or None (``choose_version``; 3 only for decode rows: query_lens all 1);
-                  partition_size: keys per v2 partition (v3: the unit it splits in, nearest one wave)
+    load_tile:    the reference's hook for how a tile of blocks is read; the kernels read the pools
+                  themselves, so only None (quantized pools: ``minikv_gpu.quant.quantized_paged_attention``)
+    version:      1, 2, 3, 4 or None (``versions.choose_version``; 3 and 4 only for decode rows: query_lens
+                  all 1); partition_size: keys per v2 partition (v3/v4: the least keys per split)
     returns:      [N, Hq, D] float32 on the device
 
     The same calls are accepted as by the reference (its own argument check runs here). The
@@ -253,7 +241,10 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     keys 0 .. that position; stale slots past a context are never read.
     """
     rt = get_runtime(runtime)
-    check_version(version)  # before any other check: a bad version is a bad call whatever the data
+    versions.check_version(version)  # before any other check: a bad version is a bad call whatever the data
+    if load_tile is not None:
+        raise ConfigError("load_tile is the NumPy walk's hook; the GPU kernels read the pools themselves (for "
+                          "quantized pools use minikv_gpu.quant.quantized_paged_attention)")
     partition_size = _check_partition_size(partition_size)
     tables, ctx, qlens, _ = check_paged_attention_args(
         q, k_pool, v_pool, host_array(rt, block_tables), host_array(rt, context_lens),
@@ -269,7 +260,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     # value may stay; the int32 cast is safe: in-use entries were checked against the pool size.
     dev_tables = rt.asarray(np.where(tables >= 0, tables, 0).astype(np.int32))
     max_context = int(ctx.max()) if ctx.size else 0
-    version = resolve_version(version, None, v3_refusal(hq // k_pool.shape[2], d, bool(np.all(qlens == 1))))
+    refusal = versions.decode_refusal(hq // k_pool.shape[2], d, bool(np.all(qlens == 1)))
+    version = versions.choose_version(version, None, refusal)
     return _plan_attention(rt, defines, q, k_pool, v_pool, dev_tables, rt.asarray(seq.astype(np.int32)),
                            rt.asarray(pos.astype(np.int32)), max_context, version, partition_size)()
 
@@ -334,8 +326,8 @@ class PagedKVCache(_cpu.PagedKVCache):
     Arguments as the NumPy class (``blocks_per_tile`` is checked and unused: the kernels walk
     tiles of ``KEY_TILE`` keys whatever the block size), plus:
     runtime:        the kernel runtime (default: CuPy on a GPU, else the simulator)
-    version:        attention version, 1, 2, 3 (decode steps; others fall back), or None to choose
-                    per step (``choose_version``)
+    version:        attention version, 1, 2, 3 or 4 (3 and 4: decode steps; others fall back), or None
+                    to choose per step (``versions.choose_version``)
     partition_size: keys per v2 partition (a multiple of ``KEY_TILE``)
 
     Storage dtype float32 or float16; ``write`` takes float32 K/V ``[N, Hkv, D]`` and
@@ -350,7 +342,7 @@ class PagedKVCache(_cpu.PagedKVCache):
                  partition_size: int = PARTITION_SIZE):
         head_dim_defines(head_dim)  # fail before allocating anything
         self.rt = get_runtime(runtime)  # _new_store, called by the NumPy constructor, needs it
-        self.version = check_version(version)
+        self.version = versions.check_version(version)
         self.partition_size = _check_partition_size(partition_size)
         self._dev: dict | None = None
         self.wait_for_copies = no_pending_copies  # an asynchronous host tier installs its fence here (minikv_gpu.tiers)
@@ -434,7 +426,8 @@ class PagedKVCache(_cpu.PagedKVCache):
         check_device_query(self, self.rt, q)
         group = _check_group(q.shape[1], self.num_kv_heads, self.head_dim)
         d = self._dev
-        version = resolve_version(version, self.version, v3_refusal(group, self.head_dim, d["decode"]))
+        refusal = versions.decode_refusal(group, self.head_dim, d["decode"])
+        version = versions.choose_version(version, self.version, refusal)
         return _plan_attention(self.rt, self.defines, device_f32(self.rt, q, "q"), self.k_pool[layer],
                                self.v_pool[layer], d["tables"], d["seq"], d["pos"], d["max_context"], version,
                                self.partition_size)

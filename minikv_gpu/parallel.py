@@ -11,9 +11,12 @@ with the branches computed on the device. The collectives take device arrays:
   each rank's device (what the tests run) and GPUs without CUDA-aware MPI; it costs two PCIe
   copies per collective.
 * ``"nccl"``: ``cupy.cuda.nccl`` on device pointers, on the current stream (one GPU per rank: NCCL
-  refuses two ranks on one device). The unique id travels over MPI once. The vocabulary shards
-  of the logits differ in width by one at most; NCCL's all-gather takes equal counts, so each
-  rank pads its shard to the widest and the padding is cut after the gather.
+  refuses two ranks on one device). Each rank first makes device ``local_rank % device_count`` current
+  (``select_device``; the local rank is the rank among the processes of its node), so the ranks of one
+  node with several GPUs spread over them instead of all taking device 0. The unique id travels
+  over MPI once. The vocabulary shards of the logits differ in width by one at most; NCCL's
+  all-gather takes equal counts, so each rank pads its shard to the widest and the padding is cut
+  after the gather.
   (CUDA-aware MPI would take CuPy arrays in ``Collectives`` unchanged: mpi4py reads
   ``__cuda_array_interface__``.)
 
@@ -24,6 +27,8 @@ return their (m, l, acc) state instead of the finished output; until then it is 
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -36,10 +41,37 @@ from minikv_gpu.runtime import get_runtime
 BACKENDS = ("host", "nccl")
 
 
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def local_rank(comm) -> int:
+    """This process's rank among the processes of its node: MPI's shared-memory split when there is a
+    communicator, else the launcher's variable (Open MPI, MPICH/Hydra, Slurm, torchrun), else 0."""
+    if comm is not None:
+        try:
+            from mpi4py import MPI
+
+            return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        except (ImportError, AttributeError):
+            pass
+    for var in LOCAL_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def select_device(rt, rank: int) -> int:
+    """Make device ``rank % rt.device_count()`` current on runtime ``rt`` and return its index."""
+    index = int(rank) % rt.device_count()
+    rt.use_device(index)
+    return index
+
+
 class DeviceCollectives:
     """``Collectives.allreduce`` / ``allgather`` for device arrays of runtime ``rt``, recorded in the same trace."""
 
-    def __init__(self, host: Collectives, rt, backend: str = "host"):
+    def __init__(self, host: Collectives, runtime=None, backend: str = "host"):
+        rt = get_runtime(runtime)
         self.host, self.rt, self.backend = host, rt, check_choice("backend", backend, BACKENDS)
         self._nccl = _nccl_communicator(host, rt) if backend == "nccl" and host.size > 1 else None
 
@@ -97,6 +129,7 @@ class DeviceParallelModel(ParallelModel):
     def __init__(self, model, tp: int = 1, comm=None, runtime=None, backend: str = "host"):
         super().__init__(model, tp=tp, cp=1, comm=comm)
         self.rt = get_runtime(runtime)
+        self.device_index = select_device(self.rt, local_rank(comm))  # before any allocation on the device
         self.device = gpu_model.from_cpu(self.local, runtime=self.rt)
         self.collectives = DeviceCollectives(self.tp_group, self.rt, backend)
         self.dtype = np.float32
@@ -120,7 +153,7 @@ class DeviceParallelModel(ParallelModel):
             if c.mla is None:
                 x = x + coll.allreduce(_attention(x, lw, lc, cache, li, cos, sin, rt))
             else:
-                x = x + coll.allreduce(gpu_model.mla_attention_block(x, lw, lc, cache, li, cos, sin, rt))
+                x = x + coll.allreduce(gpu_model.mla_attention_block(x, lw, lc, cache, li, cos, sin, runtime=rt))
             x = x + coll.allreduce(d._mlp(x, lw))
         if not all_logits:
             x = x[rt.asarray(np.cumsum([t.size for t in toks]) - 1)]

@@ -2,7 +2,7 @@
 
 The bookkeeping is the NumPy reference's, inherited unchanged (``minikv.quant.cache.QuantizedPagedKVCache``
 over the GPU ``PagedKVCache`` of ``minikv_gpu.paged``): which blocks a step fills, when a block is
-published as quantized (commit), the ``quantized`` flags, the view tables. What moves to the device
+published as quantized (commit), the ``quantized`` flags. What moves to the device
 (``kernels/quant.cu``):
 
 * ``k_codes, v_codes: [L, num_blocks, block_bytes] uint8`` are device arrays holding exactly the
@@ -30,13 +30,15 @@ import numpy as np
 from minikv import quant as _cpu
 from minikv.errors import ConfigError
 from minikv.kv_cache import Step
-from minikv.quant.cache import QuantizedStore, quantized_paged_attention
+from minikv.paged.attention import check_paged_attention_args, query_positions
+from minikv.quant.cache import QuantizedStore
 from minikv.quant.formats import KV_DTYPES, kv_format
 from minikv_gpu import paged as _gpu_paged
-from minikv_gpu.kv_cache import v3_refusal
-from minikv_gpu.runtime import check_device_query, check_device_rows, check_version, device_f32, head_dim_defines
+from minikv_gpu import runtime as gpu_runtime
+from minikv_gpu import versions
+from minikv_gpu.runtime import check_device_query, check_device_rows, device_f32, get_runtime
 
-__all__ = ["GPU_KV_DTYPES", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
+__all__ = ["GPU_KV_DTYPES", "QUANT_VERSIONS", "QuantizedPagedKVCache", "quant_defines", "quantize_blocks", "KV_DTYPES",
            "QuantizedStore", "kv_format", "quantized_paged_attention"]
 
 GPU_KV_DTYPES = {"int8": 0, "fp8": 1, "kivi2": 2, "int4": 3}  # kv_dtype -> QCODEC of kernels/quant.cu
@@ -51,12 +53,13 @@ def quant_defines(kv_dtype: str, group: int, head_dim: int, dtype) -> dict:
     group = 32 if kv_dtype in ("int8", "int4") else int(group)
     if group % 8 or head_dim % group:
         raise ConfigError(f"group={group}: the GPU kernels need a multiple of 8 that divides head_dim={head_dim}")
-    return {**head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16),
+    return {**gpu_runtime.head_dim_defines(head_dim), "CACHE_HALF": int(np.dtype(dtype) == np.float16),
             "QCODEC": GPU_KV_DTYPES[kv_dtype], "GROUP": group}
 
 
-def quantize_blocks(rt, defines: dict, k_pool, v_pool, k_codes, v_codes, blocks) -> None:
+def quantize_blocks(defines: dict, k_pool, v_pool, k_codes, v_codes, blocks, *, runtime=None) -> None:
     """Encode blocks ``blocks`` (int32 device array [M]) of one layer's residual pools into its codes."""
+    rt = get_runtime(runtime)
     m = int(blocks.shape[0])
     if m == 0:
         return
@@ -67,19 +70,30 @@ def quantize_blocks(rt, defines: dict, k_pool, v_pool, k_codes, v_codes, blocks)
          (k_pool, v_pool, k_codes, v_codes, blocks, np.int32(bs), np.int32(hkv)))
 
 
+QUANT_VERSIONS = (3, 4)  # quant_decode_attention_v3 / _v4: the register-resident decode loops
+
+
+def quant_dims(version: int, defines: dict, group: int) -> int:
+    """Dims per lane of quant_decode_attention_v<version> (quant.cu's V4_DIMS; v3 always 8)."""
+    row = 16 if version == 4 and defines["HEAD_DIM"] == 128 and group <= 4 else 8
+    return 16 if row == 16 and defines["GROUP"] % 16 == 0 else 8
+
+
 def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos, max_context: int,
-          partition_size: int):
-    """Buffers of one ``quant_decode_attention_v3`` launch; returns ``launch()`` -> out [N, Hq, D] float32."""
+          partition_size: int, version: int):
+    """Buffers of one ``quant_decode_attention_v<version>`` launch; returns ``launch()`` -> out [N, Hq, D] float32."""
     xp = rt.xp
     n, hq, d = q.shape
     _, bs, hkv, _ = k_res.shape
     group = hq // hkv
-    parts, per = _gpu_paged.v3_partitions(max_context, n * hkv, group, partition_size, rt)
+    parts, per = versions.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt,
+                                          dims=quant_dims(version, defines, group))
     out = xp.empty((n, hq, d), dtype=np.float32)
     shape = (n, hq, parts) if parts > 1 else (1, 1, 1)
     partials = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                 xp.empty(shape + (d,), dtype=np.float32))
-    kern = rt.kernel("quant", "quant_decode_attention_v3", defines={**defines, "GQA_GROUP": int(group)})
+    kdefs = {**versions.decode_defines(defines, group), **versions.block_defines(bs)}
+    kern = rt.kernel("quant", f"quant_decode_attention_v{version}", defines=kdefs)
     args = (q, k_res, v_res, k_codes, v_codes, tables, seq, pos, out) + partials + (
         np.int32(hq), np.int32(hkv), np.int32(bs), np.int32(tables.shape[1]), np.int32(per), np.int32(parts),
         np.float32(1.0 / np.sqrt(d)))
@@ -91,12 +105,52 @@ def _plan(rt, defines: dict, q, k_res, v_res, k_codes, v_codes, tables, seq, pos
 
     def launch():
         if n:
-            kern((n, hkv, parts), (128,), args)
+            kern((n, hkv, parts), (versions.DECODE_THREADS,), args)
             if reduce is not None:
                 reduce((n, hq), (32,), reduce_args)
         return out
-    launch.version, launch.partitions = 3, parts
+    launch.version, launch.partitions = version, parts
     return launch
+
+
+def _kv_dtype_of(k_pool: QuantizedStore, v_pool: QuantizedStore) -> tuple[str, int]:
+    """(kv_dtype, group) of two host QuantizedStore sides, among GPU_KV_DTYPES (ConfigError otherwise)."""
+    sides = (k_pool.side.codec.name, k_pool.side.axis, v_pool.side.codec.name, v_pool.side.axis)
+    kv = next((name for name, spec in KV_DTYPES.items() if tuple(spec) == sides and name in GPU_KV_DTYPES), None)
+    if kv is None:
+        raise ConfigError(f"pools of {sides} have no GPU kernels; the GPU quantized attention serves "
+                          f"{', '.join(GPU_KV_DTYPES)} (minikv.quant.quantized_paged_attention serves every format)")
+    return kv, k_pool.side.codec.group
+
+
+def quantized_paged_attention(q, k_pool: QuantizedStore, v_pool: QuantizedStore, block_tables, context_lens,
+                              query_lens=None, blocks_per_tile: int | None = None, *, version: int | None = None,
+                              partition_size: int = _gpu_paged.PARTITION_SIZE, runtime=None):
+    """``minikv.quant.cache.quantized_paged_attention`` on the GPU: q [N, Hq, D] -> [N, Hq, D] float32 on the device.
+
+    k_pool, v_pool: host ``QuantizedStore`` sides (residual [num_blocks, bs, Hkv, D], codes [num_blocks, bytes]),
+    copied to the device; block_tables [B, width], context_lens [B], query_lens [B] (default all 1) as
+    ``paged_attention``'s; blocks_per_tile: checked as in the reference, unused (the kernel walks keys);
+    version: 3, 4 or None (4). The kernel reads a block from its codes iff it is full at the row's position,
+    the reference's rule.
+    """
+    rt = get_runtime(runtime)
+    kv_dtype, group = _kv_dtype_of(k_pool, v_pool)
+    num_blocks, bs, hkv, d = k_pool.residual.shape
+    defines = quant_defines(kv_dtype, group, d, k_pool.residual.dtype)
+    host = gpu_runtime.host_array
+    tables, ctx, qlens, _ = check_paged_attention_args(
+        q, k_pool.residual, v_pool.residual, host(rt, block_tables), host(rt, context_lens),
+        None if query_lens is None else host(rt, query_lens), blocks_per_tile)
+    refusal = versions.decode_refusal(q.shape[1] // hkv, d, True)
+    if refusal is not None:
+        raise ConfigError(f"GPU quantized attention: {refusal[1]}")
+    version = versions.choose_version(version, None, None, versions=QUANT_VERSIONS)
+    seq_of, pos = query_positions(ctx, qlens)  # each row's sequence and position
+    up = rt.asarray
+    return _plan(rt, defines, device_f32(rt, q, "q"), up(k_pool.residual), up(v_pool.residual), up(k_pool.codes),
+                 up(v_pool.codes), up(np.maximum(tables, 0).astype(np.int32)), up(seq_of.astype(np.int32)),
+                 up(pos.astype(np.int32)), int(ctx.max(initial=0)), partition_size, version)()
 
 
 class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache):
@@ -110,10 +164,7 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype=np.float32, kv_dtype: str = "int8", group: int = 32, **options):
         self.qdefines = quant_defines(kv_dtype, group, head_dim, dtype)
-        version = check_version(options.get("version"))
-        if version not in (None, 3):
-            raise ConfigError(f"version={version}: the quantized GPU cache has one attention kernel, "
-                              "quant_decode_attention_v3; use version=3 or None")
+        versions.check_version(options.get("version"), QUANT_VERSIONS, "the quantized GPU cache's attention")
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, kv_dtype, group,
                          **options)
         xp = self.rt.xp
@@ -160,8 +211,8 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         _gpu_paged._launch_write(self.rt, self.defines, device_f32(self.rt, k, "k"), device_f32(self.rt, v, "v"),
                                  self.k_pool[layer], self.v_pool[layer], self._dev["slots"])
-        quantize_blocks(self.rt, self.qdefines, self.k_pool[layer], self.v_pool[layer], self.k_codes[layer],
-                        self.v_codes[layer], self._dev_filling)
+        quantize_blocks(self.qdefines, self.k_pool[layer], self.v_pool[layer], self.k_codes[layer],
+                        self.v_codes[layer], self._dev_filling, runtime=self.rt)
 
     def _commit(self, step: Step) -> None:
         full = self._filling
@@ -186,15 +237,14 @@ class QuantizedPagedKVCache(_cpu.QuantizedPagedKVCache, _gpu_paged.PagedKVCache)
         """Check ``attend``'s arguments and allocate its buffers; return ``launch()`` (benchmarks time it)."""
         self._check_layer(layer)
         check_device_query(self, self.rt, q)
-        if check_version(version) not in (None, 3):
-            raise ConfigError(f"version={version}: the quantized GPU cache runs quant_decode_attention_v3 only")
-        refusal = v3_refusal(q.shape[1] // self.num_kv_heads, self.head_dim, True)
+        refusal = versions.decode_refusal(q.shape[1] // self.num_kv_heads, self.head_dim, True)
         if refusal is not None:
             raise ConfigError(f"the quantized GPU cache: {refusal[1]}")
+        version = versions.choose_version(version, self.version, None, versions=QUANT_VERSIONS)
         d = self._dev
         return _plan(self.rt, self.qdefines, device_f32(self.rt, q, "q"), self.k_pool[layer], self.v_pool[layer],
                      self.k_codes[layer], self.v_codes[layer], d["tables"], d["seq"], d["pos"], d["max_context"],
-                     self.partition_size)
+                     self.partition_size, version)
 
     # -- inspection (host copies; tests and debugging) ---------------------------------------------
     def stores(self, layer: int, host: bool = False) -> tuple[QuantizedStore, QuantizedStore]:

@@ -1,7 +1,10 @@
 """Kernel runtime: CuPy when a CUDA GPU is usable, else the CPU simulator.
 
+``MINIKV_CUPY_POOL=0`` turns CuPy's memory pools off (compute-sanitizer runs: a read past an array's end
+then leaves the allocation instead of landing in the pool's next array).
+
     rt = get_runtime()                     # "cupy" or "sim"; env MINIKV_GPU_BACKEND=cupy|sim forces one
-    k = rt.kernel("attention", "causal_softmax_v1", defines={"HEAD_DIM": 64})
+    k = rt.kernel("attention", "causal_softmax_v0", defines={"HEAD_DIM": 64})
     x = rt.asarray(np_x)                   # a device array (a NumPy copy on the sim)
     k((n_rows,), (128,), (x, out, np.int32(n_rows), ...), shared_mem=0)
     result = rt.asnumpy(out)
@@ -56,6 +59,7 @@ from minikv.errors import (
 from . import cpu_sim
 from .cpu_sim import limits
 from .cpu_sim.signature import KernelDecl, check_args, find_kernels
+from .cupy_status import cupy_or_reason
 from .streams import CupyCopies, SimCopies
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -130,6 +134,19 @@ class Runtime:
     def synchronize(self) -> None:
         """Wait until all launched kernels have finished."""
 
+    def device_count(self) -> int:
+        """How many devices this process can use."""
+        return 1
+
+    def use_device(self, index: int) -> None:
+        """Make device ``index`` current for this process (what later launches and allocations use)."""
+        if not 0 <= index < self.device_count():
+            raise InvalidInputError(f"device {index} does not exist; this {self.name} runtime has "
+                                    f"{self.device_count()} device(s)")
+        self.device_id = index
+
+    device_id = 0
+
 
 def _defines_key(defines: dict | None) -> tuple:
     if defines is not None and not isinstance(defines, dict):
@@ -143,9 +160,13 @@ class SimRuntime(SimCopies, Runtime):
     name = "sim"
     xp = np
 
-    def __init__(self) -> None:
+    def __init__(self, devices: int = 1) -> None:
         super().__init__()
         cpu_sim.build.compiler()  # fail now, with a clear message, if there is no g++
+        self.devices = devices  # how many GPUs it stands in for (one host memory serves them all)
+
+    def device_count(self) -> int:
+        return self.devices
 
     def _compile(self, source, filename, name, defines, source_dir):
         return cpu_sim.load_module(source, filename, defines, source_dir).get_function(name)
@@ -219,6 +240,9 @@ class CupyRuntime(CupyCopies, Runtime):
     def __init__(self, cupy) -> None:
         super().__init__()
         self.xp = cupy
+        if os.environ.get("MINIKV_CUPY_POOL") == "0":  # every array its own cudaMalloc: memcheck sees overruns
+            cupy.cuda.set_allocator(None)
+            cupy.cuda.set_pinned_memory_allocator(None)
         self._modules: dict[tuple, tuple] = {}
         include = _cuda_include_dir()
         self._base_options = ("-std=c++17",) + ((f"-I{include}",) if include else ())
@@ -241,6 +265,13 @@ class CupyRuntime(CupyCopies, Runtime):
             raise KernelCompileError(f"{filename}: cannot get kernel {name!r} (defines {defines}): {exc}") from exc
         return _CupyKernel(raw, name, decls.get(name), self.xp)
 
+    def device_count(self) -> int:
+        return int(self.xp.cuda.runtime.getDeviceCount())
+
+    def use_device(self, index: int) -> None:
+        super().use_device(index)
+        self.xp.cuda.Device(index).use()
+
     def asarray(self, a, dtype=None):
         return self.xp.array(a, dtype=dtype, order="C", copy=True)
 
@@ -261,24 +292,9 @@ def _declared_kernels(source: str, filename: str, defines, source_dir) -> dict[s
     return {k.name: k for k in find_kernels(text, marker=marker)}
 
 
-def _cupy_or_reason():
-    """(cupy module, "") when a CUDA device is usable, else (None, why not)."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return None, f"CuPy is not installed ({exc}); pip install 'minikv[gpu]'"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDA driver missing, no device, ...
-        return None, f"CuPy cannot reach a CUDA device: {exc}"
-    if count < 1:
-        return None, "CuPy sees no CUDA device"
-    return cupy, ""
-
-
 @functools.lru_cache(maxsize=1)
 def _auto_backend() -> str:
-    return "cupy" if _cupy_or_reason()[0] is not None else "sim"
+    return "cupy" if cupy_or_reason()[0] is not None else "sim"
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -301,7 +317,7 @@ def get_runtime(backend: str | Runtime | None = None) -> Runtime:
         backend = _auto_backend()
     if backend not in _RUNTIMES:
         if backend == "cupy":
-            cupy, reason = _cupy_or_reason()
+            cupy, reason = cupy_or_reason()
             if cupy is None:
                 raise BackendUnavailableError(f"backend 'cupy' cannot run here: {reason}. Use backend='sim' "
                                               f"(or {ENV_VAR}=sim) for the CPU simulator.")
@@ -317,19 +333,6 @@ def default_runtime() -> Runtime:
 
 
 # --- device helpers shared by the step modules ------------------------------------------------
-
-VERSIONS = (1, 2, 3)  # attention kernel versions of both GPU caches: 1 one block per (token, KV head), 2 split-K,
-#                       3 the register-resident decode kernel (decode steps only; kernels/decode_v3.cuh)
-
-
-def check_version(version):
-    """A cache's ``version=`` knob (the same in ``kv_cache`` and ``paged``): None (choose per step), 1, 2 or 3."""
-    if version is not None and (isinstance(version, bool) or version not in VERSIONS):
-        raise ConfigError(f"version={version!r}; attention has versions 1 (one block per token and KV head), "
-                          "2 (split-K partitions + reduce) and 3 (register-resident decode), or None to choose "
-                          "per step")
-    return version
-
 
 def device_f32(rt: Runtime, a, name: str):
     """``a`` as a C-contiguous float32 array on ``rt``'s device.
@@ -409,6 +412,6 @@ def multiprocessors(rt: Runtime) -> int:
     return int(device_attributes(rt).get("MultiProcessorCount", 1))
 
 
-__all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "VERSIONS", "CupyRuntime", "Runtime",
-           "SimRuntime", "cache_defines", "check_device_rows", "check_version", "default_runtime",
-           "device_attributes", "device_f32", "get_runtime", "head_dim_defines", "host_array", "multiprocessors"]
+__all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "CupyRuntime", "Runtime", "SimRuntime",
+           "cache_defines", "check_device_rows", "default_runtime", "device_attributes", "device_f32", "get_runtime",
+           "head_dim_defines", "host_array", "multiprocessors"]

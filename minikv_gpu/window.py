@@ -25,9 +25,11 @@ import numpy as np
 from minikv import window as _cpu
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_int
 from minikv.layers import ROPE_LAYOUTS
-from minikv_gpu.runtime import STATIC_SMEM_LIMIT, default_runtime, device_f32, get_runtime, head_dim_defines
+from minikv_gpu.runtime import STATIC_SMEM_LIMIT, device_f32, get_runtime, head_dim_defines
+from minikv_gpu.versions import DECODE_THREADS, choose_version, decode_defines, decode_refusal
 
-__all__ = ["ROPE_MODES", "EvictingKVCache", "pick_version", "window_decode"]
+__all__ = ["ROPE_MODES", "WINDOW_VERSIONS", "EvictingKVCache", "Visible", "attend_in_cache", "attend_slots",
+           "window_decode"]
 
 ROPE_MODES = {None: 0, "half": 1, "interleaved": 2}  # layout -> rope_mode of window_decode_v1
 _INT32_MAX = np.iinfo(np.int32).max
@@ -104,34 +106,31 @@ def _tables(rt, rope, d: int, max_rank: int):
     return device_f32(rt, cos, "rope cos"), device_f32(rt, sin, "rope sin")
 
 
-def pick_version(version, group: int, head_dim: int, want_mass: bool) -> int:
-    """1 or 3: ``version`` checked (ConfigError), or None -> 3 where v3 serves the call, else 1."""
-    serves = not want_mass and 1 <= group <= 8 and head_dim & (head_dim - 1) == 0
-    if version is None:
-        return 3 if serves else 1
-    if version not in (1, 3) or isinstance(version, bool):
-        raise ConfigError(f"version={version!r}; window decode has versions 1 and 3 (or None to choose)")
-    if version == 3 and not serves:
-        raise ConfigError("window_decode_v3 needs want_mass=False, at most 8 query heads per KV head and "
-                          f"head_dim a power of two (got G={group}, head_dim={head_dim}); use version=1")
-    return version
+WINDOW_VERSIONS = (1, 3, 4)  # window_decode_v1 (tiles in shared memory; the mass), _v3, _v4 (register-resident)
+
+
+def _refusal(group: int, head_dim: int, want_mass: bool) -> tuple[type, str] | None:
+    """Why window_decode_v3/v4 cannot serve a call (None when they can)."""
+    if want_mass:
+        return ConfigError, "window_decode_v3/v4 have no mass output (H2O's); use version=1 or None"
+    return decode_refusal(group, head_dim, True)
 
 
 def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tuple | None = None,
-                  want_mass: bool = False, rt=None, version: int | None = None):
+                  want_mass: bool = False, *, version: int | None = None, runtime=None):
     """One decode query per sequence over its slots (see the module docstring); device arrays back.
 
     q: [B, Hq, D] float32 (pre-RoPE with ``rope``); k, v: [B, Hkv, C, D] float32 or float16 (pre-RoPE
     keys with ``rope``); pos: [B, Hkv, C] integer (-1 empty); q_pos: [B] integer.
     Returns out [B, Hq, D] float32 (, mass [B, Hkv, C] float32 if ``want_mass``).
-    version: 1, 3 (register-resident, no mass) or None (3 where it serves the call).
+    version: 1, 3, 4 (register-resident, no mass) or None (4 where it serves the call, else 1).
     """
-    rt = default_runtime() if rt is None else get_runtime(rt)
+    rt = get_runtime(runtime)
     b, hq, hkv, c, d = _check_shapes(q, k, v, pos, q_pos)
     defines = {**head_dim_defines(d), "CACHE_HALF": int(np.dtype(k.dtype) == np.float16)}
     group = hq // hkv
     mode = _check_policy(window, sinks, rope, group, d)
-    ver = pick_version(version, group, d, want_mass)
+    ver = choose_version(version, None, _refusal(group, d, want_mass), lambda: 1, WINDOW_VERSIONS)
     qp = _positions(rt, q_pos, "q_pos")
     max_rank = min(int(rt.asnumpy(qp).max(initial=0)), window - 1)
     cos, sin = _tables(rt, rope, d, max_rank)
@@ -145,14 +144,70 @@ def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tu
         scalars = (np.int32(hq), np.int32(hkv), np.int32(c), np.int32(window), np.int32(sinks), np.int32(mode),
                    np.float32(1.0 / np.sqrt(d)))
         qd = device_f32(rt, q, "q")
-        if ver == 3:
-            kern = rt.kernel("window", "window_decode_v3", defines={**defines, "GQA_GROUP": group})
-            kern((b, hkv), (128,), (qd, kd, vd) + common + scalars)
+        if ver >= 3:
+            kern = rt.kernel("window", f"window_decode_v{ver}", defines=decode_defines(defines, group))
+            kern((b, hkv), (DECODE_THREADS,), (qd, kd, vd) + common + scalars)
         else:
             kern = rt.kernel("window", "window_decode_v1", defines=defines)
             kern((b, hkv), (32 * group,), (qd, kd, vd) + common + (mass, np.int32(bool(want_mass))) + scalars,
                  shared_mem=4 * group * d)
     return (out, mass) if want_mass else out
+
+
+class Visible:
+    """``visible(k_pos) -> [Hkv, T, K]`` as ``minikv.window.ring.attend_slots`` takes it, ``policy.visible(q_pos,
+    k_pos)`` at the queries' positions, in a form the GPU can read: the policy (its window and sinks) and
+    q_pos [T]. The NumPy function takes it as well, so one call runs on either side."""
+
+    def __init__(self, policy, q_pos):
+        self.policy, self.q_pos = policy, np.asarray(q_pos)
+
+    def __call__(self, k_pos):
+        return self.policy.visible(self.q_pos, k_pos)
+
+
+def _batched(k, v, k_pos, t: int):
+    """One query per "sequence": the slots [Hkv, K, ...] repeated for each of the T queries."""
+    return tuple(np.ascontiguousarray(np.broadcast_to(a, (t,) + a.shape)) for a in (k, v, k_pos))
+
+
+def attend_slots(q, tiles: list, visible, mass_rows=None, *, version: int | None = None, runtime=None):
+    """``minikv.window.ring.attend_slots`` on the GPU: q [T, Hq, D] over tiles of (k [Hkv, K, D], v, k_pos [Hkv, K]).
+
+    visible: a ``Visible(policy, q_pos)`` (a window policy's rule, or the causal one of Policy, H2O, SnapKV);
+    mass_rows: [T] bool or None, as the reference: then also each tile's mass and seen counts [Hkv, K],
+    summed over the selected queries. Returns out [T, Hq, D] (, masses, seens) on the device.
+    """
+    if not isinstance(visible, Visible):
+        raise ConfigError("the GPU attend_slots reads the visibility rule itself: pass "
+                          "minikv_gpu.window.Visible(policy, q_pos) (NumPy's attend_slots takes it too)")
+    window, sinks = _policy_args(visible.policy)
+    k, v, pos = (np.concatenate([np.asarray(tile[i]) for tile in tiles], axis=1) for i in range(3))
+    t = q.shape[0]
+    want = mass_rows is not None
+    res = window_decode(q, *_batched(k, v, pos, t), visible.q_pos, window, sinks, None, want, version=version,
+                        runtime=runtime)
+    if not want:
+        return res
+    rt, rows = get_runtime(runtime), np.asarray(mass_rows, bool)
+    mass = rt.asnumpy(res[1])[rows].sum(0)                                    # [Hkv, K] over the selected queries
+    seen = visible(pos)[:, rows].sum(1).astype(np.int64)                       # [Hkv, K]
+    cuts = np.cumsum([tile[0].shape[1] for tile in tiles])[:-1]
+    return res[0], np.split(mass, cuts, axis=1), np.split(seen, cuts, axis=1)
+
+
+def attend_in_cache(q_pre, k_pre, v, k_pos, q_pos, visible, rope: tuple, *, version: int | None = None,
+                    runtime=None):
+    """``minikv.window.ring.attend_in_cache`` on the GPU: pre-RoPE q [T, Hq, D] over pre-RoPE k [Hkv, K, D], every
+    visible key rotated by its rank, each query by its own. visible: a window policy's ``visible`` method
+    (the kernel knows its rule in closed form); rope = (cos, sin, layout). Returns [T, Hq, D] on the device."""
+    policy = getattr(visible, "__self__", None)
+    if not isinstance(policy, _cpu.WindowPolicy):
+        raise ConfigError("the GPU attend_in_cache ranks keys by the window policy's closed form: pass "
+                          "policy.visible of a minikv.window.ring.WindowPolicy")
+    t = q_pre.shape[0]
+    return window_decode(q_pre, *_batched(k_pre, v, k_pos, t), np.asarray(q_pos), policy.window,
+                         policy.sinks, rope, version=version, runtime=runtime)
 
 
 def _policy_args(policy) -> tuple[int, int]:
@@ -179,7 +234,7 @@ class EvictingKVCache(_cpu.EvictingKVCache):
 
     def __init__(self, *args, runtime=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rt = default_runtime() if runtime is None else get_runtime(runtime)
+        self.rt = get_runtime(runtime)
         self.window_args = _policy_args(self.policy)
         self.gpu_steps = 0  # how many attend calls ran on the kernel (tests check the routing)
 
@@ -202,7 +257,7 @@ class EvictingKVCache(_cpu.EvictingKVCache):
         want = any(r is not None and r.any() for r in rows)
         window, sinks = self.window_args
         res = window_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, pos, step.positions, window, sinks,
-                            self.rope if self.rotates_in_cache else None, want, self.rt)
+                            self.rope if self.rotates_in_cache else None, want, runtime=self.rt)
         self.gpu_steps += 1
         out = self.rt.asnumpy(res[0] if want else res)
         if want:

@@ -60,8 +60,8 @@ def _run_compare(args) -> int:
     from minikv_gpu import runtime
     from minikv_gpu.compare import DEFAULT_TOL, compare
 
+    rt = runtime.get_runtime(args.backend)  # first: a machine that cannot run CuPy says why in one line, at once
     model, ids, label = _model_and_ids(args)
-    rt = runtime.get_runtime(args.backend)
     paged = f", block size {args.block_size}" if args.cache == "paged" else ""
     print(f"{label}; prompt {len(ids)} tokens; GPU path: {rt.name}, cache {args.cache} ({args.cache_dtype}{paged})"
           f"{', fused decode kernel' if args.fused else ''}")
@@ -69,16 +69,18 @@ def _run_compare(args) -> int:
           f"{'numpy ms':>9} {'gpu ms':>9}")
 
     def show(s):
+        agree = "yes" if s.agree else "tie" if s.tie else "NO "
         print(f"{s.step:>4} {s.kind:>7} {s.tokens:>6} {s.max_abs_logit_diff:>12.3e} {s.token_numpy:>7} "
-              f"{s.token_gpu:>7}  {'yes' if s.agree else 'NO ':>5} {1e3 * s.numpy_s:>9.1f} {1e3 * s.gpu_s:>9.1f}",
-              flush=True)
+              f"{s.token_gpu:>7}  {agree:>5} {1e3 * s.numpy_s:>9.1f} {1e3 * s.gpu_s:>9.1f}", flush=True)
 
-    res = compare(model, ids, args.max_new_tokens, backend=rt.name, cache=args.cache, cache_dtype=args.cache_dtype,
-                  fused=args.fused, on_step=show, block_size=args.block_size)
     tol = DEFAULT_TOL[args.cache_dtype] if args.tol is None else args.tol
+    res = compare(model, ids, args.max_new_tokens, backend=rt.name, cache=args.cache, cache_dtype=args.cache_dtype,
+                  fused=args.fused, on_step=show, block_size=args.block_size, tol=tol)
     ok = res.tokens_agree and res.max_abs_logit_diff <= tol
+    ties = (f" ({len(res.ties)} a near tie: steps {res.ties}, where the GPU's token is within the tolerance of "
+            f"NumPy's top logit)") if res.ties else ""
     print(f"max |Δlogit| {res.max_abs_logit_diff:.3e} over {len(res.steps)} steps (tolerance {tol:g}); "
-          f"greedy tokens {'agree' if res.tokens_agree else 'DIFFER'}")
+          f"greedy tokens {'agree' if res.tokens_agree else 'DIFFER'}{ties}")
     if args.json:
         print_json({**res.summary(), "prompt_ids": [int(t) for t in ids]})
     return 0 if ok else 1

@@ -4,24 +4,27 @@
 // The T queries are the last T of the S positions ("bottom-right" causal mask): query t
 // sees keys 0 .. S-T+t. GQA: query head h reads KV head h / (Hq/Hkv).
 //
-// Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per unit of
-// work over its whole key range, v2 split-K + the shared reduce, v3 reserved):
-//   causal_softmax_v1    row softmax with the causal mask, for the textbook path
-//                        (minikv_gpu.attention.causal_attention(version=1): scores = q k^T * scale
+// Kernels (<op>_v<N>; the same N means the same idea in every .cu: v0 the textbook, which materializes
+// the scores; v1 one block per unit of work over its whole key range; v2 split-K + the shared reduce;
+// v3/v4 the register-resident decode loops, which this step, with no cache, has no use for):
+//   causal_softmax_v0    row softmax with the causal mask, for the textbook path
+//                        (minikv_gpu.attention.causal_attention(version=0): scores = q k^T * scale
 //                        by xp.matmul, this kernel, out = probs v by xp.matmul); it materializes
 //                        the [Hq, T, S] score matrix in device memory.
 //   causal_attention_v1  one kernel, online softmax over tiles of keys, so the scores never leave
 //                        the chip (the FlashAttention idea without its matrix units); the fused
-//                        path, causal_attention(version=2). The key loop is attend_tiles.cuh's,
-//                        the softmax online_softmax.cuh's, shared with kv_cache.cu and paged.cu.
+//                        path, causal_attention(version=1), the default. The key loop is
+//                        attend_tiles.cuh's, the softmax online_softmax.cuh's, shared with
+//                        kv_cache.cu and paged.cu.
 //
 // Version log (llm.c style):
-//   causal_softmax_v1    the textbook: max pass, exp pass, normalize pass, block reductions.
-//   causal_attention_v1  (was causal_attention_v2 before the kernels were renumbered: the Python
-//                        wrapper's version=2 still selects it.) Now through the shared core
-//                        (attend_tiles.cuh, online_softmax.cuh); registers unchanged by it.
+//   causal_softmax_v0    the textbook: max pass, exp pass, normalize pass, block reductions. (It was
+//                        causal_softmax_v1, selected by version=1, while the fused kernel was picked by
+//                        version=2: now version=N runs the kernels named _vN, as in every other file.)
+//   causal_attention_v1  (was causal_attention_v2 before the kernels were first renumbered.) Now through
+//                        the shared core (attend_tiles.cuh, online_softmax.cuh); registers unchanged by it.
 // Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
-// 13.0, D=64/128, sm_80/sm_90): causal_softmax_v1 27-28 registers, causal_attention_v1 32-38
+// 13.0, D=64/128, sm_80/sm_90): causal_softmax_v0 27-28 registers, causal_attention_v1 32-38
 // registers; 0 spills, no stack frame.
 //
 // nvcc-check: HEAD_DIM=64,128
@@ -31,7 +34,7 @@
 #define ROWS_PER_BLOCK 4  // query rows per block of causal_attention_v1, one warp each
 
 // ---------------------------------------------------------------------------
-// causal_softmax_v1: row softmax of scores x [R, S] with an optional bottom-right
+// causal_softmax_v0: row softmax of scores x [R, S] with an optional bottom-right
 // causal mask; row r is query t = r % T. Masked entries become exactly 0. A row whose
 // maximum is not finite (e.g. all -inf) is shifted by 0 instead, and a row summing to 0
 // returns zeros, as minikv.attention.softmax does.
@@ -42,7 +45,7 @@
 //   bytes: reads 4*R*S twice (max pass, exp pass; the second mostly from L1/L2),
 //          writes 4*R*S twice (exp values, then normalized). out may alias x.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void causal_softmax_v1(const float* x, float* out, int n_rows, int T, int S, int causal) {
+extern "C" __global__ void causal_softmax_v0(const float* x, float* out, int n_rows, int T, int S, int causal) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     if (row >= n_rows) return;

@@ -23,7 +23,8 @@
 //   rope_write_attend_v2    the fused kernel, split-K (+ attention_reduce_v2)
 //   decode_attention_v3     decode attention with K/V loaded straight into registers (16-byte
 //                           loads, D/8 lanes per key, the GQA group's queries in registers, no
-//                           barrier in the key loop); split count nearest one wave (+ the reduce)
+//                           barrier in the key loop); split by versions.split_plan (+ the reduce)
+//   decode_attention_v4     the same with the next iteration's loads in flight (decode_v4.cuh)
 //   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
 // The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
 // and paged.cu.
@@ -51,6 +52,14 @@
 //       registers at G=1, 106-125 at G=3, 118-128 at G=4 (capped by __launch_bounds__(128, 4)),
 //       205-245 at G=8 (__launch_bounds__(128, 2)); 0 spills, no stack frame; NVRTC compiles every
 //       define set. No GPU has run it yet.
+//   v4  decode_v4.cuh (paged.cu's log has the list): the next iteration's K/V loads issued before this
+//       iteration's math, warps on contiguous keys, the transposed reduction, the rescale skipped where no
+//       max moved, 16 dims per lane at head_dim 128 (G <= 4). v3 now runs the same per-iteration math
+//       through a key policy (DenseKeys): ptxas 64-71 / 105-126 / 118-126 / 208-253 at G 1/3/4/8.
+//       Predicted (results/gpu_model.json, goal case): 268 us, 98% of the copy (v3 the same: both copy-bound
+//       by the model; v4 issues 522-622 instructions per warp-iteration of 8 keys against v3's 691).
+//       ptxas: decode_attention_v4 66-112 registers at G=1, 101-219 at G=3, 120-245 at G=4, 196-244 at G=8;
+//       0 spills. Measured: waits for a GPU.
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
 //   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
@@ -64,7 +73,7 @@
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
-#include "decode_v3.cuh"     // decode_v3::attend (the v3 kernels)
+#include "decode.cuh"         // decode::run, the v3 and v4 key loops
 
 // Element offset of cache[layer, slot, head, 0, 0], in 64 bits.
 __device__ __forceinline__ long long cache_offset(int layer, int slot, int head, int max_seqs, int n_kv_heads,
@@ -277,6 +286,43 @@ extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw,
                     n_splits);
 }
 
+// The key policy of a contiguous history (decode_core.cuh): key j of (slot, head) is row base + j*D.
+template <int DIMS, int KEYS>
+struct DenseKeys : decode::PlainRows<DIMS, KEYS> {
+    long long base;  // element offset of cache[layer, slot[n], h, 0, 0]
+    __device__ __forceinline__ int ahead(int, int) const { return 0; }  // nothing to look up
+    __device__ __forceinline__ void load(int key, int k_end, int, int, int d0,
+                                         typename DenseKeys::Raw& r) const {
+        this->load_row(base + (long long)key * HEAD_DIM + d0, key < k_end, r);
+    }
+};
+
+// Block (n, h, z) of decode_attention_v3/v4: the group's queries over its key range with loop V.
+template <int V, int DIMS, int KEYS>
+__device__ __forceinline__ void dense_decode(const float* q, const cache_t* k_cache, const cache_t* v_cache,
+                                             const int* slot, const int* pos, const decode::Sink& sink, int layer,
+                                             int n_heads, int n_kv_heads, int max_seqs, int max_len,
+                                             int keys_per_split, float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
+    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
+    if (c.k_begin >= c.k_end) return;  // the whole block leaves together, before the one barrier
+    DenseKeys<DIMS, KEYS> pol;
+    pol.k = k_cache, pol.v = v_cache, pol.base = c.head_base;
+    decode::run<V>(pol, q + c.q_base, scale, c.k_begin, c.k_end, sink);
+}
+
+// The parameters of decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
+#define DENSE_DECODE_PARAMS                                                                                          \
+    const float *__restrict__ q, const cache_t *__restrict__ k_cache, const cache_t *__restrict__ v_cache,          \
+        const int *__restrict__ slot, const int *__restrict__ pos, float *__restrict__ out,                          \
+        float *__restrict__ part_m, float *__restrict__ part_l, float *__restrict__ part_acc, int layer, int n_heads, \
+        int n_kv_heads, int max_seqs, int max_len, int keys_per_split, int n_splits, float scale
+#define DENSE_DECODE_SINK \
+    decode::Sink{out, part_m, part_l, part_acc, (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, \
+                 (int)blockIdx.z, n_splits}
+#define DENSE_DECODE_ARGS \
+    q, k_cache, v_cache, slot, pos, DENSE_DECODE_SINK, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split, scale
+
 // ---------------------------------------------------------------------------
 // decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z) attends
 // the GQA_GROUP queries of token n, KV head h, over keys [z*keys_per_split, (z+1)*keys_per_split)
@@ -292,18 +338,21 @@ extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw,
 //   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (each K/V element
 //          once per GQA group), writes 4*N*Hq*D (unsplit) or 4*N*Hq*Zu*(D+2) partials.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void V3_LAUNCH_BOUNDS decode_attention_v3(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
-                                               const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
-                                               const int* __restrict__ pos, float* __restrict__ out,
-                                               float* __restrict__ part_m, float* __restrict__ part_l,
-                                               float* __restrict__ part_acc, int layer, int n_heads, int n_kv_heads,
-                                               int max_seqs, int max_len, int keys_per_split, int n_splits,
-                                               float scale) {
-    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
-    const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
-    if (c.k_begin >= c.k_end) return;  // the whole block leaves together, before the one barrier
-    decode_v3::State s = decode_v3::attend(q + c.q_base, k_cache, v_cache, DenseRows{c.head_base}, c.k_begin,
-                                           c.k_end, scale);
-    const long long row0 = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // (n, h*G)
-    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row0, (int)blockIdx.z, n_splits});
+extern "C" __global__ void V3_LAUNCH_BOUNDS decode_attention_v3(DENSE_DECODE_PARAMS) {
+    dense_decode<3, decode_v3::DIMS, decode_v3::ROW_KEYS>(DENSE_DECODE_ARGS);
+}
+
+// ---------------------------------------------------------------------------
+// decode_attention_v4 (decode_v4.cuh): decode_attention_v3's work, arguments and outputs, with the next
+// iteration's K/V loads in flight during this one's math, a transposed reduction, the rescale skipped
+// where no max moved, and 16 dims per lane at head_dim 128 (G <= 4).
+//
+//   grid  = (N, Hkv, Z), block = (128): warp w takes keys w0 .. w0 + KW - 1 of each iteration
+//   shared, bytes: as decode_attention_v3 (the same K/V bytes: each element once per GQA group)
+// ---------------------------------------------------------------------------
+constexpr int DENSE_V4_KEYS = decode_v4::keys_for(decode_v4::ROW_DIMS, 2 * decode_v4::ROW_DIMS * (int)sizeof(cache_t));
+
+extern "C" __global__ void __launch_bounds__(128, V4_BLOCKS_PER_SM(decode_v4::ROW_DIMS))
+    decode_attention_v4(DENSE_DECODE_PARAMS) {
+    dense_decode<4, decode_v4::ROW_DIMS, DENSE_V4_KEYS>(DENSE_DECODE_ARGS);
 }

@@ -73,6 +73,20 @@ __device__ __forceinline__ float exp2_shifted(float x, float shift) {
     return exp2f(x - (shift == -CUDART_INF_F ? 0.0f : shift));  // never -inf - -inf
 }
 
+// a . b over one 8-element vector (a query vector against a key vector).
+__device__ __forceinline__ float dot8(const float* a, const float* b) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) s += a[i] * b[i];
+    return s;
+}
+
+// y += a * x over one 8-element vector (a value vector into an accumulator).
+__device__ __forceinline__ void axpy8(float* y, float a, const float* x) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) y[i] += a * x[i];
+}
+
 }  // namespace mla
 
 // ---------------------------------------------------------------------------
@@ -187,10 +201,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                 float f[VEC];
                 unpack(raw[u][c], f);
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) sc[u][g] += q[g][c][i] * f[i];
-                }
+                for (int g = 0; g < G; ++g) sc[u][g] += mla::dot8(q[g][c], f);
             }
         }
         subgroup_sum<32>(sc);
@@ -225,10 +236,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                 float f[VEC];
                 unpack(raw[u][c], f);
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[g][c][i] += p[u][g] * f[i];
-                }
+                for (int g = 0; g < G; ++g) mla::axpy8(acc[g][c], p[u][g], f);
             }
         }
     }

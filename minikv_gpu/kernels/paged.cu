@@ -12,14 +12,17 @@
 //
 // Kernels (<op>_v<N>, vLLM's names; the same N means the same idea in every .cu: v1 one block
 // per (token, KV head) over the whole context, v2 split-K + the shared reduce, v3 the
-// register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
+// register-resident, bandwidth-bound decode kernel of decode_v3.cuh, v4 v3 with the next iteration's
+// loads in flight, decode_v4.cuh):
 //   reshape_and_cache           write the step's new K/V rows through the slot mapping
 //   paged_decode_attention_v1   one thread block per (query token, KV head) walks the whole context
 //   paged_decode_attention_v2   split-K: one thread block per (query token, KV head, partition)
 //   attention_reduce_v2         split_k.cuh's, shared with kv_cache.cu: merges v2's partitions,
 //                               rescaling each by exp(m_i - m)
 //   paged_decode_attention_v3   decode attention with K/V read through the block table straight
-//                               into registers (decode_v3.cuh); split count nearest one wave
+//                               into registers (decode_v3.cuh); split by versions.split_plan
+//   paged_decode_attention_v4   the same, with the next iteration's block-table entries and K/V
+//                               loads in flight during this one's math (decode_v4.cuh)
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
 // as in attention.cu and kv_cache.cu.
@@ -40,6 +43,21 @@
 //       power-of-two block size, an integer division otherwise).
 //       ptxas (nvcc 13.0): paged_decode_attention_v3 64-80 registers at G=1, 106-128 at G=3, 122-128
 //       at G=4, 209-239 at G=8; 0 spills, no stack frame; NVRTC compiles. No GPU has run it yet.
+//       Since v4: the same loop through a key policy (PagedKeys, decode_core.cuh), the split count by
+//       versions.split_plan (even tile-aligned ranges, the count wasting the least of the last wave) instead
+//       of whole 512-key partitions nearest one wave; ptxas 69-80 / 109-128 / 119-128 / 210-246.
+//   v4  decode_v4.cuh: the block-table entries a warp's next keys need are loaded once, one lane per entry,
+//       an iteration ahead of the K/V loads that use them (shuffled to the lanes), so a K/V load never waits
+//       for a table load; the K/V loads of iteration i+1 are issued before iteration i's math (register
+//       double-buffering); warps take contiguous keys; a transposed reduction of the partial dots (about 2
+//       shuffles per value instead of log2 of the lanes); the rescale skipped where no max moved; 16 dims
+//       per lane at head_dim 128 (G <= 4: 8 lanes per key), 2 keys per subgroup and buffer at 2 blocks per
+//       SM; the block size a compile-time power of two (KV_BLOCK; 0 divides at run time).
+//       Predicted (benchmarks/gpu_model.py, results/gpu_model.json, goal case B=64, S=4096, 32/8 heads,
+//       D=128, fp16): 268 us, 98% of the copy, copy-bound like v3 (v3: 879 instructions and 64 shuffles per
+//       warp-iteration of 8 keys; v4: 569-669 and 16), 2 blocks per SM at 247 registers (v3: 4 at 128).
+//       ptxas: 72-115 registers at G=1, 112-223 at G=3, 122-254 at G=4, 204-250 at G=8; 0 spills, no stack
+//       frame; NVRTC compiles. Measured: waits for a GPU (benchmarks/gpu_check.py times it beside v3).
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 pools, sm_80/sm_90), registers: paged_decode_attention_v1 31-40 and
 //   v2 31-43 (before the shared core: 32-48 both), attention_reduce_v2 31-32 (the old
@@ -58,11 +76,12 @@
 // block's previous owner left (possibly NaN). They are never read: a tile's rows past the
 // context are zero-filled instead (attend_tiles.cuh), since 0 * NaN = NaN would poison the sum.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8 KV_BLOCK=16
+// nvcc-check: HEAD_DIM=128 CACHE_HALF=1 GQA_GROUP=4 KV_BLOCK=0,1
 
 #include "attend_tiles.cuh"  // common.cuh (cache_t, load8/store8, reductions), online_softmax.cuh
 #include "split_k.cuh"       // write_partial, attention_reduce_v2
-#include "decode_v3.cuh"     // decode_v3::attend (the v3 kernels)
+#include "decode.cuh"         // decode::run, the v3 and v4 key loops
 
 // ---------------------------------------------------------------------------
 // reshape_and_cache: pool[slot_mapping[n], h, :] = new[n, h, :] for K and V of one layer.
@@ -230,22 +249,62 @@ extern "C" __global__ void copy_blocks(const cache_t* src_k, const cache_t* src_
     }
 }
 
-// Rows of one sequence and KV head through its block table, looked up per key by each lane
-// (decode_v3.cuh's Rows: no shared memory, no barrier). The lanes of a subgroup read the same
-// table entry (one broadcast load, from L1 after the first key of the block). A power-of-two
-// block size (16, the usual) takes a shift and a mask instead of an integer division, which
-// costs some 20 instructions per key and lane (block_shift = -1 otherwise; a uniform branch).
-struct PagedRowsV3 {
-    const int* table;  // block_tables[token_seq[n]]
-    int block_size, block_shift;
+// The key policy of a paged history (decode_core.cuh): key j of sequence b, KV head h, is row
+// (table[j / bs] * bs + j % bs) * Hkv*D + h*D of the pool. v3 (PREFETCH false): each lane looks its keys
+// up itself (the lanes of a subgroup read the same entry: one broadcast load, from L1 after a block's
+// first key). v4 (PREFETCH): the entries a warp's keys need are loaded one lane per entry, one iteration
+// early, and shuffled to the lanes; the block size is a compile-time power of two on that fast path
+// (KV_BLOCK; 0 = the runtime block_size, an integer division per key).
+template <int DIMS, int KEYS, int DIV, bool PREFETCH>
+struct PagedKeys : decode::PlainRows<DIMS, KEYS> {
+    decode::Lookup<DIV, PREFETCH> table;  // block_tables[token_seq[n]], entries < ceil(k_end / bs)
     long long slot_stride, head_offset;  // Hkv*D, h*D
-    __device__ __forceinline__ long long operator()(int key) const {
-        const int blk = block_shift >= 0 ? key >> block_shift : key / block_size;
-        const int off = block_shift >= 0 ? key & (block_size - 1) : key - blk * block_size;
-        const long long slot = (long long)table[blk] * block_size + off;
-        return slot * slot_stride + head_offset;
+
+    __device__ __forceinline__ int ahead(int w0, int) const {
+        return table.ahead(w0, table.span(w0, decode::warp_keys<DIMS, KEYS>()));
+    }
+    __device__ __forceinline__ void load(int key, int k_end, int ahead_entry, int w0, int d0,
+                                         typename PagedKeys::Raw& r) const {
+        const int entry = table.at(key, ahead_entry, w0);  // every lane: a shuffle on the v4 path
+        const long long slot = (long long)entry * table.divisor() + table.offset(key);
+        this->load_row(slot * slot_stride + head_offset + d0, key < k_end, r);
     }
 };
+
+#ifndef KV_BLOCK
+#define KV_BLOCK 0  // v4's compile-time block size (a power of two); 0: the runtime block_size argument
+#endif
+
+// Block (n, h, z) of paged_decode_attention_v3/v4: the group's queries over its key range with loop V.
+template <int V, int DIMS, int KEYS, int DIV>
+__device__ __forceinline__ void paged_decode(const float* q, const cache_t* k_pool, const cache_t* v_pool,
+                                             const int* block_tables, const int* token_seq, const int* token_pos,
+                                             const decode::Sink& sink, int n_heads, int n_kv_heads,
+                                             int block_size, int max_blocks, int keys_per_split, float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads || (DIV > 0 && block_size != DIV)) __trap();  // a launcher bug
+    const int n = blockIdx.x, h = blockIdx.y;
+    const int k_begin = blockIdx.z * keys_per_split;
+    const int k_end = min(token_pos[n] + 1, k_begin + keys_per_split);
+    if (k_begin >= k_end) return;  // the whole block leaves together, before the one barrier
+    PagedKeys<DIMS, KEYS, DIV, !!(V == 4)> pol;
+    pol.k = k_pool, pol.v = v_pool;
+    pol.table = {block_tables + (long long)token_seq[n] * max_blocks, block_size, (k_end - 1) / block_size + 1};
+    pol.slot_stride = (long long)n_kv_heads * HEAD_DIM, pol.head_offset = (long long)h * HEAD_DIM;
+    decode::run<V>(pol, q + sink.row0 * HEAD_DIM, scale, k_begin, k_end, sink);
+}
+
+// The parameters of paged_decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
+#define PAGED_DECODE_PARAMS                                                                                        \
+    const float *__restrict__ q, const cache_t *__restrict__ k_pool, const cache_t *__restrict__ v_pool,          \
+        const int *__restrict__ block_tables, const int *__restrict__ token_seq,                                   \
+        const int *__restrict__ token_pos, float *__restrict__ out, float *__restrict__ part_m,                    \
+        float *__restrict__ part_l, float *__restrict__ part_acc, int n_heads, int n_kv_heads, int block_size,     \
+        int max_blocks, int keys_per_split, int n_splits, float scale
+#define PAGED_DECODE_ARGS                                                                                          \
+    q, k_pool, v_pool, block_tables, token_seq, token_pos,                                                          \
+        decode::Sink{out, part_m, part_l, part_acc,                                                                \
+                     (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, (int)blockIdx.z, n_splits}, \
+        n_heads, n_kv_heads, block_size, max_blocks, keys_per_split, scale
 
 // ---------------------------------------------------------------------------
 // paged_decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z)
@@ -261,25 +320,23 @@ struct PagedRowsV3 {
 //   bytes: v1's K/V/q reads, + 4 bytes of block table per key and lane group (L1 hits after the
 //          first per block), writes 4*N*Hq*D (unsplit) or 4*N*Hq*Zu*(D+2) partials.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void V3_LAUNCH_BOUNDS paged_decode_attention_v3(const float* __restrict__ q, const cache_t* __restrict__ k_pool,
-                                                     const cache_t* __restrict__ v_pool,
-                                                     const int* __restrict__ block_tables,
-                                                     const int* __restrict__ token_seq,
-                                                     const int* __restrict__ token_pos, float* __restrict__ out,
-                                                     float* __restrict__ part_m, float* __restrict__ part_l,
-                                                     float* __restrict__ part_acc, int n_heads, int n_kv_heads,
-                                                     int block_size, int max_blocks, int keys_per_split,
-                                                     int n_splits, float scale) {
-    if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
-    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
-    const int k_begin = z * keys_per_split;
-    const int k_end = min(token_pos[n] + 1, k_begin + keys_per_split);
-    if (k_begin >= k_end) return;  // the whole block leaves together, before the one barrier
-    const long long row0 = (long long)n * n_heads + (long long)h * GQA_GROUP;  // (n, h*G)
-    const int block_shift = __popc((unsigned)block_size) == 1 ? __ffs(block_size) - 1 : -1;
-    const PagedRowsV3 rows{block_tables + (long long)token_seq[n] * max_blocks, block_size, block_shift,
-                           (long long)n_kv_heads * HEAD_DIM, (long long)h * HEAD_DIM};
-    decode_v3::State s = decode_v3::attend(q + row0 * HEAD_DIM, k_pool, v_pool, rows, k_begin, k_end, scale);
-    const long long row = (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP;  // row0, recomputed
-    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row, (int)blockIdx.z, n_splits});
+extern "C" __global__ void V3_LAUNCH_BOUNDS paged_decode_attention_v3(PAGED_DECODE_PARAMS) {
+    paged_decode<3, decode_v3::DIMS, decode_v3::ROW_KEYS, 0>(PAGED_DECODE_ARGS);
+}
+
+// ---------------------------------------------------------------------------
+// paged_decode_attention_v4 (decode_v4.cuh): v3's work, arguments and outputs, with the block-table
+// entries of each iteration loaded once (one lane per entry) an iteration ahead and shuffled to the lanes,
+// the K/V loads of the next iteration in flight during this one's math, a transposed reduction, the
+// rescale skipped where no max moved, 16 dims per lane at head_dim 128 (G <= 4). KV_BLOCK = block_size
+// (a power of two) at compile time, or 0.
+//
+//   grid  = (N, Hkv, Z), block = (128): warp w takes keys w0 .. w0 + KW - 1 of each iteration
+//   bytes: v3's K/V/q bytes; the block table once per block and iteration (a few entries per warp)
+// ---------------------------------------------------------------------------
+constexpr int PAGED_V4_KEYS = decode_v4::keys_for(decode_v4::ROW_DIMS, 2 * decode_v4::ROW_DIMS * (int)sizeof(cache_t));
+
+extern "C" __global__ void __launch_bounds__(128, V4_BLOCKS_PER_SM(decode_v4::ROW_DIMS))
+    paged_decode_attention_v4(PAGED_DECODE_PARAMS) {
+    paged_decode<4, decode_v4::ROW_DIMS, PAGED_V4_KEYS, KV_BLOCK>(PAGED_DECODE_ARGS);
 }

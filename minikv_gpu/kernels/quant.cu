@@ -2,17 +2,17 @@
 //
 // Storage (one layer; the cache keeps [L, ...] and passes a layer's contiguous view):
 //   k_pool, v_pool    [num_blocks, block_size, Hkv, D] CACHE_T   the residual: open blocks in full precision
-//   k_codes, v_codes  [num_blocks, block_bytes] uint8            full blocks, minikv.quant_codecs' bytes
+//   k_codes, v_codes  [num_blocks, block_bytes] uint8            full blocks, minikv.quant.codecs' bytes
 // A per-token side stores block b, token t, KV head h as one row of ROW_BYTES = D/GROUP records at
 // codes[b] + (t*Hkv + h) * ROW_BYTES; kivi2's keys store channel c = h*D + d of block b as
 // block_size/GROUP records of GROUP tokens at codes[b] + c * (block_size/GROUP) * CH_RECORD
-// (minikv.quant.Side's "channel" axis). QCODEC selects the format (kv_dtype: K / V):
+// (minikv.quant.formats.Side's "channel" axis). QCODEC selects the format (kv_dtype: K / V):
 //   0  int8   q8_0 / q8_0      GROUP 32: fp16 d = amax/127, 32 x int8 roundf(x * (1/d))
 //   1  fp8    e4m3fn / e4m3fn  GROUP | D, 8 | GROUP: fp16 s = amax/448, GROUP x e4m3fn(clip(x * (1/s)))
 //   2  kivi2  asym2 per channel (GROUP tokens) / asym2 per token (GROUP channels): fp16 s = (max-min)/3,
 //             fp16 z = min, 2-bit clip(roundf((x - z) * (1/s)), 0, 3), value i at bits 2*(i%4) of byte i/4
 //   3  int4   q4_0 / q4_0      GROUP 32: fp16 d = max/-8, byte i = q[i] | q[i+16] << 4, q = trunc(x/d + 8.5)
-// All bit-exact against minikv.quant_codecs' encode: the same float32 operations in the same order
+// All bit-exact against minikv.quant.codecs' encode: the same float32 operations in the same order
 // (a float32 scale and its float32 reciprocal, 0 for a zero scale; fp8/asym2 quantize with the fp16-
 // rounded scale, q8_0/q4_0 with the float32 one), roundf (ties away from zero, exact) where NumPy uses
 // round_half_away, truncf for q4_0, __float2half_rn (nearest even) for the fp16 scales, saturation at
@@ -22,6 +22,8 @@
 //   quantize_blocks_v1          encode the blocks a step fills (K and V of one layer), from the residual
 //   quant_decode_attention_v3   attention over codes (full blocks) and the residual (the open block),
 //                               dequantized in registers; split partials for paged.cu's attention_reduce_v2
+//   quant_decode_attention_v4   the same in decode_v4.cuh's loop: every code, scale and residual load of
+//                               an iteration issued before any is converted
 //
 // Version log (llm.c style):
 //   quantize_blocks_v1: one thread per record (GROUP values of one token and head), K and V;
@@ -40,10 +42,25 @@
 //   Measured: no GPU has run these kernels yet. ptxas (nvcc 13.0, sm_80/sm_90, the nvcc-check set):
 //       quant_decode_attention_v3 72-102 registers at G=1, 119-128 at G=4, 186-244 at G=8;
 //       quantize_blocks_v1 31-70; 0 spills, no stack frame; NVRTC compiles all 96 builds.
+//       Since v4, v3 runs through the same key policy (QuantKeys): its loads are issued for the iteration's
+//       keys before any is converted, too: ptxas 60-104 / 119-128 / 202-218 at G 1/4/8.
+//   quant_decode_attention_v4: decode_v4.cuh's loop over QuantKeys: the block-table entries one iteration
+//       ahead (one lane per entry, shuffled), all of an iteration's code, scale and residual loads issued
+//       before the first conversion (a key no longer waits for two memory round trips in series), the next
+//       iteration's loads in flight during this one's math; 16 dims per lane at head_dim 128 where a record
+//       holds them (GROUP a multiple of 16), 2 keys per buffer where the registers allow (fp16 residual, not
+//       kivi2). A planar layout (scales apart from 16-byte-aligned codes) would turn a lane's 8 two-byte code
+//       loads into one 16-byte load; it changes the bytes minikv.quant.codecs defines, so it is left for a
+//       step that changes both sides.
+//       Predicted (results/gpu_model.json; B=16, S=8192, 32/8 heads, D=128, fp16 residual): int8 105 us,
+//       1.3x the fp16 v4 kernel (v3: 0.88x), fp8 188 us, 0.72x (v3: 0.57x): both issue-bound (int8: 705
+//       instructions per warp-iteration of 8 keys, fp8's bit-built e4m3 decode: 1292); the 1.6x goal is
+//       not predicted. ptxas: 64-121 registers at G=1, 115-249 at G=4, 198-255 at G=8; 0 spills.
+//       Measured: waits for a GPU.
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8 QCODEC=0,1,2,3
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8 QCODEC=0,1,2,3 KV_BLOCK=16
 
-#include "decode_v3.cuh"  // common.cuh, decode_v3::State / merge_into / finish / exp2_shifted
+#include "decode.cuh"  // common.cuh, decode::run and the v3/v4 key loops
 
 #ifndef QCODEC
 #define QCODEC 0
@@ -203,22 +220,6 @@ extern "C" __global__ void quantize_blocks_v1(const cache_t* __restrict__ k_pool
 
 namespace quant {
 
-using decode_v3::G;
-using decode_v3::LANES;
-using decode_v3::SUBGROUPS;
-using decode_v3::SUB_PER_WARP;
-using decode_v3::State;
-constexpr int UNROLL = G > 4 ? 1 : 2;  // keys per subgroup per iteration
-constexpr int KEYS_PER_ITER = SUBGROUPS * UNROLL;
-
-// Where key `key` of one (sequence, KV head) lives: its block table, both pools, and the rule.
-struct Rows {
-    const int* table;
-    const cache_t *k_res, *v_res;
-    const unsigned char *k_codes, *v_codes;
-    int block_size, n_kv_heads, h, ctx;  // ctx = pos + 1: block j is coded iff (j+1)*bs <= ctx
-};
-
 // A code byte -> its value before the scale (q8_0: int8; fp8: e4m3fn).
 __device__ __forceinline__ float value_of(unsigned int c) {
 #if QCODEC == 0
@@ -228,130 +229,199 @@ __device__ __forceinline__ float value_of(unsigned int c) {
 #endif
 }
 
-// 8 values d0 .. d0+7 of one token's per-token row (ROW_BYTES at `row`), dequantized to float.
+// One key's loads for DIMS dims of a lane, K and V, as 32-bit words: a coded key holds its two-byte code
+// loads (CODES words) and the record's fp16 scale (and kivi2's zero) after them; a residual key (the open
+// block) holds its DIMS cache_t elements. kivi2's keys (per-channel records) are dequantized at load:
+// their DIMS floats. All of an iteration's loads are issued before any is converted.
+template <int DIMS>
+struct Raw {
+    static constexpr int CODES = QCODEC == 2 ? DIMS / 8 : DIMS / 2;  // two-byte code loads per side
+    static constexpr int RESIDUAL = DIMS * (int)sizeof(cache_t) / 4;
+    static constexpr int A = CODES + 2 > RESIDUAL ? CODES + 2 : RESIDUAL;
+    static constexpr int WORDS = K_CHANNEL && DIMS > A ? DIMS : A;
+    unsigned k[WORDS], v[WORDS];
+    bool coded, ok;
+};
+
+// A per-token record's codes (and scale, zero) for dims d0 .. d0+DIMS-1 of the row at `row` -> w.
 // Records are 2-byte aligned at best (34, 12 or 18 bytes), so the loads are 2-byte ones.
-__device__ __forceinline__ void load8_token(const unsigned char* row, int d0, float* f) {
+template <int DIMS, int WORDS>
+__device__ __forceinline__ void load_codes(const unsigned char* row, int d0, unsigned (&w)[WORDS]) {
+    constexpr int CODES = Raw<DIMS>::CODES;
     const unsigned char* rec = row + (d0 / GROUP) * TOK_RECORD;
-    const int w = d0 % GROUP;
-    const float d = fp16_at(rec);
+    const int off = d0 % GROUP;
+    w[CODES] = *reinterpret_cast<const unsigned short*>(rec);
+#if QCODEC == 2
+    w[CODES + 1] = *reinterpret_cast<const unsigned short*>(rec + 2);
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 4 + off / 4);  // 8 two-bit codes each
+#elif QCODEC == 3
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + (off & 15));  // values 16.. high
+#else
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + off);
+#endif
+#pragma unroll
+    for (int i = 0; i < CODES; ++i) w[i] = p[i];
+}
+
+// The words of load_codes -> DIMS dequantized values (bit for bit minikv.quant.codecs' decode).
+template <int DIMS, int WORDS>
+__device__ __forceinline__ void decode_codes(const unsigned (&w)[WORDS], int d0, float (&f)[DIMS]) {
+    constexpr int CODES = Raw<DIMS>::CODES;
+    const float d = __half2float(__ushort_as_half((unsigned short)w[CODES]));
 #if QCODEC == 0 || QCODEC == 1
-    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + w);
-    unsigned int c[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = p[i];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = d * value_of(c[i] & 0xFFu);
-        f[2 * i + 1] = d * value_of(c[i] >> 8);
+    for (int i = 0; i < CODES; ++i) {
+        f[2 * i] = d * value_of(w[i] & 0xFFu);
+        f[2 * i + 1] = d * value_of(w[i] >> 8);
     }
 #elif QCODEC == 2
-    const float z = fp16_at(rec + 2);
-    const unsigned int c = *reinterpret_cast<const unsigned short*>(rec + 4 + w / 4);  // 8 two-bit codes
+    const float z = __half2float(__ushort_as_half((unsigned short)w[CODES + 1]));
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) f[i] = __fmul_rn(d, (float)((c >> (2 * i)) & 3u)) + z;  // s q + z, as NumPy
+    for (int i = 0; i < DIMS; ++i) f[i] = __fmul_rn(d, (float)((w[i / 8] >> (2 * (i % 8))) & 3u)) + z;  // s q + z
 #else
-    const unsigned short* p = reinterpret_cast<const unsigned short*>(rec + 2 + (w & 15));
-    const int shift = w >= 16 ? 4 : 0;  // values 16..31 are the high nibbles
-    unsigned int c[4];
+    const int shift = d0 % GROUP >= 16 ? 4 : 0;  // values 16..31 are the high nibbles
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = p[i];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = d * ((float)((c[i] >> shift) & 15u) - 8.0f);
-        f[2 * i + 1] = d * ((float)((c[i] >> (8 + shift)) & 15u) - 8.0f);
+    for (int i = 0; i < CODES; ++i) {
+        f[2 * i] = d * ((float)((w[i] >> shift) & 15u) - 8.0f);
+        f[2 * i + 1] = d * ((float)((w[i] >> (8 + shift)) & 15u) - 8.0f);
     }
 #endif
 }
 
-// kivi2's keys: channels d0 .. d0+7 of token `off` of a block, each from its own channel record.
-__device__ __forceinline__ void load8_channel(const unsigned char* blk, int block_size, int h, int off, int d0,
-                                              float* f) {
+// DIMS residual elements at src -> words (16-byte loads), and back to floats.
+template <int DIMS, int WORDS>
+__device__ __forceinline__ void load_residual(const cache_t* src, unsigned (&w)[WORDS]) {
+#pragma unroll
+    for (int i = 0; i < Raw<DIMS>::RESIDUAL / 4; ++i) {
+        const uint4 x = reinterpret_cast<const uint4*>(src)[i];
+        w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+    }
+}
+
+template <int DIMS, int WORDS>
+__device__ __forceinline__ void unpack_residual(const unsigned (&w)[WORDS], float (&f)[DIMS]) {
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) {
+#if CACHE_HALF
+        f[i] = __half2float(__ushort_as_half((unsigned short)(w[i / 2] >> (16 * (i % 2)))));
+#else
+        f[i] = __uint_as_float(w[i]);
+#endif
+    }
+}
+
+// kivi2's keys: channels d0 .. d0+DIMS-1 of token `off` of a block, each from its own channel record.
+template <int DIMS, int WORDS>
+__device__ __forceinline__ void load_channels(const unsigned char* blk, int block_size, int h, int off, int d0,
+                                              unsigned (&w)[WORDS]) {
     const int per_channel = block_size / GROUP, j = off / GROUP, t = off % GROUP;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
+    for (int i = 0; i < DIMS; ++i) {
         const unsigned char* rec = blk + ((long long)(h * HEAD_DIM + d0 + i) * per_channel + j) * CH_RECORD;
         const unsigned int c = (rec[4 + t / 4] >> (2 * (t % 4))) & 3u;
-        f[i] = __fmul_rn(fp16_at(rec), (float)c) + fp16_at(rec + 2);
+        w[i] = __float_as_uint(__fmul_rn(fp16_at(rec), (float)c) + fp16_at(rec + 2));
     }
 }
 
-__device__ __forceinline__ void load_kv(const Rows& r, int key, int d0, float* kf, float* vf) {
-    const int blk = key / r.block_size, off = key - blk * r.block_size;
-    const long long phys = r.table[blk];
-    const long long slot = phys * r.block_size + off;
-    if ((blk + 1) * r.block_size <= r.ctx) {
-        const long long row = (slot * r.n_kv_heads + r.h) * ROW_BYTES;
+// The key policy of the quantized paged cache (decode_core.cuh): key j of block b is read from the codes
+// iff the block is full at the row's position, (b+1)*block_size <= ctx (minikv.quant.view_tables' rule),
+// else from the residual pool (the open block, full precision). v3: each lane looks its keys up; v4
+// (PREFETCH): the block-table entries come one iteration ahead, one lane per entry, by shuffle.
+template <int DIMS_, int KEYS_, int DIV, bool PREFETCH>
+struct QuantKeys {
+    static constexpr int DIMS = DIMS_, KEYS = KEYS_;
+    using Raw = quant::Raw<DIMS>;
+    decode::Lookup<DIV, PREFETCH> table;
+    const cache_t *k_res, *v_res;
+    const unsigned char *k_codes, *v_codes;
+    int n_kv_heads, h, ctx;  // ctx = pos + 1
+
+    __device__ __forceinline__ int ahead(int w0, int) const {
+        return table.ahead(w0, table.span(w0, decode::warp_keys<DIMS, KEYS>()));
+    }
+    __device__ __forceinline__ void load(int key, int k_end, int ahead_entry, int w0, int d0, Raw& r) const {
+        const int phys = table.at(key, ahead_entry, w0);  // every lane: a shuffle on the v4 path
+        const int bs = table.divisor(), off = table.offset(key);
+        const long long slot = (long long)phys * bs + off;
+        r.ok = key < k_end;
+        r.coded = r.ok && (table.index(key) + 1) * bs <= ctx;
+#pragma unroll
+        for (int i = 0; i < Raw::WORDS; ++i) r.k[i] = r.v[i] = 0u;  // masked keys: zeros (p = 0 adds 0)
+        if (r.coded) {
+            const long long row = (slot * n_kv_heads + h) * ROW_BYTES;
 #if K_CHANNEL
-        const long long block_bytes = (long long)r.block_size * r.n_kv_heads * ROW_BYTES;  // == K's for kivi2
-        load8_channel(r.k_codes + phys * block_bytes, r.block_size, r.h, off, d0, kf);
+            const long long block_bytes = (long long)bs * n_kv_heads * ROW_BYTES;  // == K's for kivi2
+            load_channels<DIMS>(k_codes + phys * block_bytes, bs, h, off, d0, r.k);
 #else
-        load8_token(r.k_codes + row, d0, kf);
+            load_codes<DIMS>(k_codes + row, d0, r.k);
 #endif
-        load8_token(r.v_codes + row, d0, vf);
-    } else {
-        const long long row = (slot * r.n_kv_heads + r.h) * HEAD_DIM + d0;
-        load8(r.k_res + row, kf);
-        load8(r.v_res + row, vf);
+            load_codes<DIMS>(v_codes + row, d0, r.v);
+        } else if (r.ok) {
+            const long long row = (slot * n_kv_heads + h) * HEAD_DIM + d0;
+            load_residual<DIMS>(k_res + row, r.k);
+            load_residual<DIMS>(v_res + row, r.v);
+        }
     }
-}
+    __device__ __forceinline__ bool visible(const Raw& r) const { return r.ok; }
+    __device__ __forceinline__ void key(const Raw& r, int d0, float (&f)[DIMS]) const {
+        if (!r.coded) unpack_residual<DIMS>(r.k, f);
+        else if (K_CHANNEL) for (int i = 0; i < DIMS; ++i) f[i] = __uint_as_float(r.k[i]);
+        else decode_codes<DIMS>(r.k, d0, f);
+    }
+    __device__ __forceinline__ void value(const Raw& r, int d0, float (&f)[DIMS]) const {
+        if (r.coded) decode_codes<DIMS>(r.v, d0, f);
+        else unpack_residual<DIMS>(r.v, f);
+    }
+    __device__ __forceinline__ void query(float (&)[decode::G][DIMS], int) const {}
+};
 
-// decode_v3::step with the codec loader: UNROLL keys key0 + u*SUBGROUPS (those >= k_end masked).
-__device__ __forceinline__ void step(const Rows& rows, int key0, int k_end, int d0, const float (&q)[G][VEC],
-                                     State& s) {
-    float kf[UNROLL][VEC], vf[UNROLL][VEC];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int key = key0 + u * SUBGROUPS;
-        if (key < k_end) {
-            load_kv(rows, key, d0, kf[u], vf[u]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) kf[u][i] = vf[u][i] = 0.0f;
-        }
-    }
-    float sc[UNROLL][G];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) dot += q[g][i] * kf[u][i];
-            sc[u][g] = dot;
-        }
-    }
-    subgroup_sum<LANES>(sc);
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float mx = s.m[g];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (key0 + u * SUBGROUPS >= k_end) sc[u][g] = -CUDART_INF_F;
-            mx = fmaxf(mx, sc[u][g]);
-        }
-        const float alpha = decode_v3::exp2_shifted(s.m[g], mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            sc[u][g] = decode_v3::exp2_shifted(sc[u][g], mx);
-            sum += sc[u][g];
-        }
-        s.l[g] = s.l[g] * alpha + sum;
-        s.m[g] = mx;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) s.acc[g][i] += sc[u][g] * vf[u][i];
-        }
-    }
-}
+// v4's dims per lane: 16 at head_dim 128 (G <= 4) where a lane's 16 values lie in one record.
+constexpr int V4_DIMS = decode_v4::ROW_DIMS == 16 && GROUP % 16 == 0 ? 16 : VEC;
+// Keys per subgroup and buffer: 2 where 2 blocks share an SM (G * DIMS > 32: twice the registers per thread)
+// and a key's words fit them twice (fp16 residual or G = 8's 8 dims; not kivi2's dequantized channels), else
+// 1. ptxas spilled at 2 with a float32 residual and 16 dims (16 words a side) and at G = 1 (4 blocks per SM).
+constexpr int V4_KEYS = decode::G * V4_DIMS > 32 && !K_CHANNEL && (CACHE_HALF || decode::G > 4) && HEAD_DIM > VEC ? 2 : 1;
+// v3: 2 keys per subgroup; 1 for G > 4, and for kivi2 from G = 3 (its channel keys, dequantized at load,
+// spilled 4 bytes at 2 with G = 3, D = 64, a float32 residual on sm_90).
+constexpr int V3_KEYS = decode::G > 4 || (K_CHANNEL && decode::G > 2) ? 1 : 2;
 
 }  // namespace quant
+
+#ifndef KV_BLOCK
+#define KV_BLOCK 0  // v4's compile-time block size (a power of two); 0: the runtime block_size argument
+#endif
+
+// Block (n, h, z) of quant_decode_attention_v3/v4: the group's queries over its key range with loop V.
+template <int V, int DIMS, int KEYS, int DIV>
+__device__ __forceinline__ void quant_decode(const float* q, const cache_t* k_res, const cache_t* v_res,
+                                             const unsigned char* k_codes, const unsigned char* v_codes,
+                                             const int* block_tables, const int* token_seq, const int* token_pos,
+                                             const decode::Sink& sink, int n_heads, int n_kv_heads,
+                                             int block_size, int max_blocks, int keys_per_split, float scale) {
+    if (n_heads != GQA_GROUP * n_kv_heads || (DIV > 0 && block_size != DIV)) __trap();  // a launcher bug
+    const int n = blockIdx.x, ctx = token_pos[n] + 1;
+    const int k_begin = blockIdx.z * keys_per_split, k_end = min(ctx, k_begin + keys_per_split);
+    if (k_begin >= k_end) return;
+    quant::QuantKeys<DIMS, KEYS, DIV, !!(V == 4)> pol;
+    pol.table = {block_tables + (long long)token_seq[n] * max_blocks, block_size, (k_end - 1) / block_size + 1};
+    pol.k_res = k_res, pol.v_res = v_res, pol.k_codes = k_codes, pol.v_codes = v_codes;
+    pol.n_kv_heads = n_kv_heads, pol.h = blockIdx.y, pol.ctx = ctx;
+    decode::run<V>(pol, q + sink.row0 * HEAD_DIM, scale, k_begin, k_end, sink);
+}
+
+// The parameters of quant_decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
+#define QUANT_DECODE_PARAMS                                                                                         \
+    const float *__restrict__ q, const cache_t *__restrict__ k_res, const cache_t *__restrict__ v_res,             \
+        const unsigned char *__restrict__ k_codes, const unsigned char *__restrict__ v_codes,                       \
+        const int *__restrict__ block_tables, const int *__restrict__ token_seq, const int *__restrict__ token_pos, \
+        float *__restrict__ out, float *__restrict__ part_m, float *__restrict__ part_l,                           \
+        float *__restrict__ part_acc, int n_heads, int n_kv_heads, int block_size, int max_blocks,                 \
+        int keys_per_split, int n_splits, float scale
+#define QUANT_DECODE_ARGS                                                                                           \
+    q, k_res, v_res, k_codes, v_codes, block_tables, token_seq, token_pos,                                          \
+        decode::Sink{out, part_m, part_l, part_acc,                                                                 \
+                     (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, (int)blockIdx.z, n_splits}, \
+        n_heads, n_kv_heads, block_size, max_blocks, keys_per_split, scale
 
 // ---------------------------------------------------------------------------
 // quant_decode_attention_v3: block (n, h, z) attends the GQA_GROUP queries of row n, KV head h,
@@ -366,37 +436,19 @@ __device__ __forceinline__ void step(const Rows& rows, int key0, int k_end, int 
 //          residual key 2*D*sizeof(CACHE_T), q 4*N*Hq*D, 4 bytes of table per key and lane group
 //          (L1), writes 4*N*Hq*D or 4*N*Hq*Z*(D+2)
 // ---------------------------------------------------------------------------
-extern "C" __global__ void V3_LAUNCH_BOUNDS quant_decode_attention_v3(
-    const float* __restrict__ q, const cache_t* __restrict__ k_res, const cache_t* __restrict__ v_res,
-    const unsigned char* __restrict__ k_codes, const unsigned char* __restrict__ v_codes,
-    const int* __restrict__ block_tables, const int* __restrict__ token_seq, const int* __restrict__ token_pos,
-    float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
-    int n_heads, int n_kv_heads, int block_size, int max_blocks, int keys_per_split, int n_splits, float scale) {
-    if (n_heads != GQA_GROUP * n_kv_heads) __trap();
-    const int n = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
-    const int ctx = token_pos[n] + 1;
-    const int k_begin = z * keys_per_split, k_end = min(ctx, k_begin + keys_per_split);
-    if (k_begin >= k_end) return;
-    const quant::Rows rows{block_tables + (long long)token_seq[n] * max_blocks, k_res, v_res, k_codes, v_codes,
-                           block_size, n_kv_heads, h, ctx};
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = warp * quant::SUB_PER_WARP + lane / quant::LANES, d0 = (lane % quant::LANES) * VEC;
-    const long long row0 = (long long)n * n_heads + (long long)h * GQA_GROUP;
-    float qr[quant::G][VEC];
-    const float qs = scale * decode_v3::LOG2E;
-#pragma unroll
-    for (int g = 0; g < quant::G; ++g) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) qr[g][i] = q[(row0 + g) * HEAD_DIM + d0 + i] * qs;
-    }
-    decode_v3::State s;
-#pragma unroll
-    for (int g = 0; g < quant::G; ++g) {
-        s.m[g] = -CUDART_INF_F;
-        s.l[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s.acc[g][i] = 0.0f;
-    }
-    for (int base = k_begin; base < k_end; base += quant::KEYS_PER_ITER) quant::step(rows, base + sub, k_end, d0, qr, s);
-    decode_v3::finish(s, decode_v3::Sink{out, part_m, part_l, part_acc, row0, z, n_splits});
+extern "C" __global__ void V3_LAUNCH_BOUNDS quant_decode_attention_v3(QUANT_DECODE_PARAMS) {
+    quant_decode<3, VEC, quant::V3_KEYS, 0>(QUANT_DECODE_ARGS);
+}
+
+// ---------------------------------------------------------------------------
+// quant_decode_attention_v4 (decode_v4.cuh): v3's work, arguments and outputs; every code, scale and
+// residual load of the next iteration is issued before this iteration converts any, the block-table entries
+// one iteration earlier still (one lane per entry, shuffled), 16 dims per lane at head_dim 128 (G <= 4,
+// GROUP a multiple of 16), the transposed reduction and the skipped rescale. KV_BLOCK as paged.cu's v4.
+//
+//   grid  = (N, Hkv, Z), block = (128); bytes: v3's, the block table once per block and iteration
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(128, V4_BLOCKS_PER_SM(quant::V4_DIMS))
+    quant_decode_attention_v4(QUANT_DECODE_PARAMS) {
+    quant_decode<4, quant::V4_DIMS, quant::V4_KEYS, KV_BLOCK>(QUANT_DECODE_ARGS);
 }

@@ -1,6 +1,6 @@
 // window.cu: step 6, decode attention over an evicting cache's slots (minikv/window/) on the GPU.
 //
-// Storage (one layer of minikv.window.EvictingKVCache, batched over sequences):
+// Storage (one layer of minikv.window.ring.EvictingKVCache, batched over sequences):
 //     k, v   [B, Hkv, C, D] CACHE_T   slots in storage order (a wrapped ring is not time order)
 //     pos    [B, Hkv, C] int32        each slot's absolute token position, -1 = empty
 // One query token per sequence (decode) at position q_pos[b]; q: [B, Hq, D] float32, query head
@@ -16,7 +16,7 @@
 //     rank(k) = k                                  if k < S
 //             = S + k - max(S, q - (W - S) + 1)    otherwise
 // (the visible keys are 0 .. min(S, q+1)-1 and max(S, q-(W-S)+1) .. q, all present in a ring
-// that lost nothing else), which equals minikv.window.rank_positions there; W = 0 rotates at the
+// that lost nothing else), which equals minikv.window.ring.rank_positions there; W = 0 rotates at the
 // absolute position (rank(k) = k). cos/sin: [P, D/2] float32 tables, row = the rank. Keys are
 // re-rotated from the stored pre-RoPE key every call (never compounded).
 //
@@ -25,10 +25,11 @@
 // which H2O accumulates. A second pass over the keys recomputes the scores (v1: simple first).
 //
 // Kernels (<op>_v<N>; the same N means the same idea in every .cu: v1 one block per (sequence,
-// KV head) over every slot, K/V tiles staged in shared memory):
+// KV head) over every slot, K/V tiles staged in shared memory; v3/v4 the register-resident loops):
 //   window_decode_v1   attention (+ optional in-cache rotation, + optional mass) of one decode
 //                      query per sequence over its slots
 //   window_decode_v3   the same attention (no mass) in decode_v3.cuh's register-resident design
+//   window_decode_v4   the same in decode_v4.cuh's loop: slot positions prefetched an iteration ahead
 //
 // Version log (llm.c style):
 //   window_decode_v1: attend_tiles.cuh's scheme with a per-slot visibility and rank: one block of
@@ -49,12 +50,25 @@
 //       window_decode_v3 88-118 registers at G=1, 142-175 at G=4, 217-240 at G=8 (a first try held G=4
 //       to 128 registers, __launch_bounds__(128, 4), and spilled 56 bytes on sm_90: hence 2 blocks/SM
 //       from G=4); 0 spills, no stack frame anywhere; NVRTC compiles all 24 builds.
+//       Fixed since: at head_dim 8 one lane holds a whole key (LANES = 1) and the 'half' rotation's partner
+//       lane l ^ LANES/2 was the lane itself, so each dim rotated against itself (max |v3 - v1| = 0.33);
+//       the pairs now lie inside the lane there. v3 runs through the key policy SlotKeys (decode_core.cuh)
+//       like v4: ptxas 93-124 / 149-179 / 230-246 registers at G 1/4/8.
+//   window_decode_v4: decode_v4.cuh's loop over SlotKeys: the positions of a warp's next slots loaded one
+//       lane per slot an iteration ahead and shuffled to the lanes (a K/V load never waits for its
+//       position), the next iteration's K/V in flight during this one's math, the transposed reduction,
+//       the rescale skipped; 8 dims per lane and one key per buffer at G = 4, which keeps 4 blocks per SM
+//       (128 registers, v3 needed 2 blocks per SM from G = 4); 2 keys at G = 1, 3 (fp16) and 8.
+//       Predicted (results/gpu_model.json; B=64, W=4096, 32/8 heads, D=128, fp16, no rotation): 337 us,
+//       78% of the copy, latency-bound (16 KB in flight per SM); v3 288 us, 91% (32 KB): the 4-blocks trim
+//       costs bytes in flight at G = 4. ptxas: 112-128 registers at G=1, 128 at G=4, 241-255 at G=8;
+//       0 spills. Measured: waits for a GPU (the first run decides between v3 and v4 here).
 //
-// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,4,8
+// nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "common.cuh"
 #include "online_softmax.cuh"
-#include "decode_v3.cuh"  // decode_v3::State / merge / finish / exp2_shifted (window_decode_v3)
+#include "decode.cuh"  // decode::run, the v3 and v4 key loops
 
 namespace window {
 
@@ -204,6 +218,122 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
     }
 }
 
+namespace window {
+
+// Rotate a lane's DIMS dims x (dims d0 .. d0+DIMS-1) at table row r. "interleaved" (mode 2) pairs (2p, 2p+1)
+// lie inside a lane; "half" (mode 1) pairs dims d and d + D/2: inside the lane when one lane holds the whole
+// key (LANES = 1, head_dim = DIMS), else held by lanes l and l ^ LANES/2 of the subgroup and exchanged by
+// one shuffle per element. Warp-collective in the second case: every lane calls it.
+template <int DIMS>
+__device__ __forceinline__ void rotate(float (&x)[DIMS], int d0, int r, const float* cos_t, const float* sin_t,
+                                       int rope_mode) {
+    constexpr int HALF = HEAD_DIM / 2, LANES = HEAD_DIM / DIMS;
+    const float* c = cos_t + (long long)r * HALF;
+    const float* s = sin_t + (long long)r * HALF;
+    if (rope_mode == 2) {
+#pragma unroll
+        for (int i = 0; i < DIMS / 2; ++i) {
+            const int p = d0 / 2 + i;
+            const float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c[p] - b * s[p];
+            x[2 * i + 1] = b * c[p] + a * s[p];
+        }
+    } else if (rope_mode == 1 && LANES == 1) {
+#pragma unroll
+        for (int p = 0; p < HALF; ++p) {
+            const float a = x[p], b = x[p + HALF];
+            x[p] = a * c[p] - b * s[p];
+            x[p + HALF] = b * c[p] + a * s[p];
+        }
+    } else if (rope_mode == 1) {
+        const bool low = d0 < HALF;
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) {
+            const float other = __shfl_xor_sync(decode::FULL, x[i], LANES / 2 > 0 ? LANES / 2 : 1);
+            const int p = (low ? d0 : d0 - HALF) + i;
+            x[i] = low ? x[i] * c[p] - other * s[p] : x[i] * c[p] + other * s[p];
+        }
+    }
+}
+
+// One slot's loads: K and V (zero where invisible) and the key's rank (-1: invisible or empty).
+template <int DIMS>
+struct SlotRaw {
+    decode::RawN<DIMS> k, v;
+    int rank;
+};
+
+// The key policy of a window's slots (decode_core.cuh): slot j of (b, h) is row j, visible by its stored
+// position (WindowPolicy.visible), rotated by its rank when the slots hold pre-RoPE keys. v3: each lane
+// reads its slots' positions before their K/V; v4 (PREFETCH): the positions of a warp's next slots come one
+// iteration ahead, one lane per slot, by shuffle, so a K/V load never waits for its position.
+template <int DIMS_, int KEYS_, bool PREFETCH>
+struct SlotKeys {
+    static constexpr int DIMS = DIMS_, KEYS = KEYS_;
+    using Raw = SlotRaw<DIMS>;
+    const cache_t *k, *v;
+    decode::Lookup<1, PREFETCH> pos;  // pos[b, h, :], n_slots entries
+    const float *cos_t, *sin_t;
+    Args a;
+    int qp;
+
+    __device__ __forceinline__ int ahead(int w0, int) const {
+        return pos.ahead(w0, decode::warp_keys<DIMS, KEYS>());
+    }
+    __device__ __forceinline__ void load(int key, int k_end, int ahead_pos, int w0, int d0, Raw& r) const {
+        const int kp = pos.at(key, ahead_pos, w0);  // every lane: a shuffle on the v4 path
+        const bool vis = key < k_end && window::visible(kp, qp, a.window, a.sinks);
+        r.rank = vis ? rank_of(kp, qp, a.window, a.sinks) : -1;
+        const long long row = (long long)key * HEAD_DIM + d0;
+        r.k = vis ? decode::load_raw_n<DIMS>(k + row) : decode::zero_raw_n<DIMS>();
+        r.v = vis ? decode::load_raw_n<DIMS>(v + row) : decode::zero_raw_n<DIMS>();
+    }
+    __device__ __forceinline__ bool visible(const Raw& r) const { return r.rank >= 0; }
+    __device__ __forceinline__ void key(const Raw& r, int d0, float (&f)[DIMS]) const {
+        decode::unpack_n(r.k, f);
+        rotate<DIMS>(f, d0, max(r.rank, 0), cos_t, sin_t, a.rope_mode);  // zeros stay zeros
+    }
+    __device__ __forceinline__ void value(const Raw& r, int, float (&f)[DIMS]) const { decode::unpack_n(r.v, f); }
+    __device__ __forceinline__ void query(float (&q)[decode::G][DIMS], int d0) const {
+        const int q_rank = rank_of(qp, qp, a.window, a.sinks);  // the query at its own rank
+#pragma unroll
+        for (int g = 0; g < decode::G; ++g) rotate<DIMS>(q[g], d0, q_rank, cos_t, sin_t, a.rope_mode);
+    }
+};
+
+// v4 keeps 8 dims per lane here (the rank, rotation and positions cost registers over a plain row's), and
+// one key per subgroup and buffer at G = 4 (and G = 3 over float32 slots: 140 bytes spilled at two), so that
+// it fits 4 blocks per SM (128 registers); G = 1, G = 3 over fp16 and G = 8 (2 blocks per SM) hold two
+// (but one at head_dim 8, where a warp takes 32 keys side by side: all its lanes).
+constexpr int V4_KEYS = (decode::G == 1 || decode::G > 4 || (decode::G < 4 && CACHE_HALF)) && HEAD_DIM > VEC ? 2 : 1;
+
+}  // namespace window
+
+// Block (b, h) of window_decode_v3/v4: the group's query over every slot of (b, h) with loop V.
+template <int V, int KEYS>
+__device__ __forceinline__ void window_decode(const float* q, const cache_t* k, const cache_t* v, const int* pos,
+                                              const int* q_pos, const float* cos_t, const float* sin_t, float* out,
+                                              const window::Args& a) {
+    if (a.n_heads != GQA_GROUP * a.n_kv_heads) __trap();  // compiled for another group size: a launcher bug
+    const long long head = (long long)blockIdx.x * a.n_kv_heads + blockIdx.y;
+    window::SlotKeys<VEC, KEYS, !!(V == 4)> pol;
+    pol.k = k + head * a.n_slots * HEAD_DIM, pol.v = v + head * a.n_slots * HEAD_DIM;
+    pol.pos = {pos + head * a.n_slots, 1, a.n_slots};
+    pol.cos_t = cos_t, pol.sin_t = sin_t, pol.a = a, pol.qp = q_pos[blockIdx.x];
+    const long long row0 = (long long)blockIdx.x * a.n_heads + (long long)blockIdx.y * GQA_GROUP;
+    decode::run<V>(pol, q + row0 * HEAD_DIM, a.scale, 0, a.n_slots, decode::Sink{out, nullptr, nullptr, nullptr,
+                                                                                   row0, 0, 1});
+}
+
+// The parameters of window_decode_v3 and _v4 (one list, so that the two kernels cannot drift apart).
+#define WINDOW_DECODE_PARAMS                                                                                        \
+    const float *__restrict__ q, const cache_t *__restrict__ k, const cache_t *__restrict__ v,                     \
+        const int *__restrict__ pos, const int *__restrict__ q_pos, const float *__restrict__ cos_t,                \
+        const float *__restrict__ sin_t, float *__restrict__ out, int n_heads, int n_kv_heads, int n_slots,        \
+        int window_size, int sinks, int rope_mode, float scale
+#define WINDOW_DECODE_ARGS \
+    q, k, v, pos, q_pos, cos_t, sin_t, out, window::Args{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale}
+
 // ---------------------------------------------------------------------------
 // window_decode_v3: window_decode_v1's attention (no mass), register-resident (decode_v3.cuh).
 //
@@ -212,143 +342,20 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
 //   bytes: reads 4*C per (b, h) of positions, 2*C_vis*D*sizeof(CACHE_T) of K/V, 4*G*D of queries
 //          (+ 2*4*8 of tables per lane and rotated key); writes 4*G*D per (b, h)
 // ---------------------------------------------------------------------------
-namespace window {
-
-// Rotate a lane's 8 dims x (dims d0 .. d0+7) at table row r. Warp-collective when rope_mode == 1
-// (every lane calls it; the partner lane l ^ LANES/2 holds the other half of each pair).
-__device__ __forceinline__ void rotate8(float (&x)[VEC], int d0, int r, const float* cos_t, const float* sin_t,
-                                        int rope_mode) {
-    constexpr int HALF = HEAD_DIM / 2;
-    if (rope_mode == 2) {
-#pragma unroll
-        for (int i = 0; i < VEC / 2; ++i) {
-            const int p = d0 / 2 + i;
-            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
-            const float a = x[2 * i], b = x[2 * i + 1];
-            x[2 * i] = a * c - b * s;
-            x[2 * i + 1] = b * c + a * s;
-        }
-    } else if (rope_mode == 1) {
-        const bool low = d0 < HALF;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-            const float other = __shfl_xor_sync(0xffffffffu, x[i], decode_v3::LANES / 2);
-            const int p = (low ? d0 : d0 - HALF) + i;
-            const float c = cos_t[(long long)r * HALF + p], s = sin_t[(long long)r * HALF + p];
-            x[i] = low ? x[i] * c - other * s : x[i] * c + other * s;
-        }
-    }
-}
-
-// decode_v3::step with per-slot visibility and rotation: UNROLL keys key0 + u*SUBGROUPS of (b, h).
-__device__ __forceinline__ void step_v3(const cache_t* k, const cache_t* v, const int* pos_head, int key0,
-                                        int qp, const Args& a, int d0, const float* cos_t, const float* sin_t,
-                                        const float (&q)[decode_v3::G][VEC], decode_v3::State& s) {
-    using namespace decode_v3;
-    Raw8 kr[UNROLL], vr[UNROLL];
-    int rank[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {  // every load of the iteration is issued before the first use
-        const int key = key0 + u * SUBGROUPS;
-        const int kp = key < a.n_slots ? pos_head[key] : -1;
-        rank[u] = visible(kp, qp, a.window, a.sinks) ? rank_of(kp, qp, a.window, a.sinks) : -1;
-        if (rank[u] >= 0) {
-            const long long row = (long long)key * HEAD_DIM + d0;
-            kr[u] = load_raw(k + row);
-            vr[u] = load_raw(v + row);
-        } else {
-            kr[u] = zero_raw();
-            vr[u] = zero_raw();
-        }
-    }
-    float sc[UNROLL][G];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        float kf[VEC];
-        unpack(kr[u], kf);
-        rotate8(kf, d0, max(rank[u], 0), cos_t, sin_t, a.rope_mode);  // zeros stay zeros
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) dot += q[g][i] * kf[i];
-            sc[u][g] = dot;
-        }
-    }
-    subgroup_sum<LANES>(sc);
-    float p[UNROLL][G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float mx = s.m[g];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (rank[u] < 0) sc[u][g] = -CUDART_INF_F;  // invisible or empty: probability 0
-            mx = fmaxf(mx, sc[u][g]);
-        }
-        const float alpha = exp2_shifted(s.m[g], mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            p[u][g] = exp2_shifted(sc[u][g], mx);
-            sum += p[u][g];
-        }
-        s.l[g] = s.l[g] * alpha + sum;
-        s.m[g] = mx;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        float vf[VEC];
-        unpack(vr[u], vf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) s.acc[g][i] += p[u][g] * vf[i];
-        }
-    }
-}
-
-}  // namespace window
-
 // The per-key position, rank and rotation cost registers over decode_v3's: 4 blocks per SM (128
 // registers) for G < 4 only, 2 from G = 4 (G = 4 spilled at 128 on sm_90).
-#define WINDOW_V3_BOUNDS __launch_bounds__(128, GQA_GROUP >= 4 ? 2 : 4)
+extern "C" __global__ void __launch_bounds__(128, GQA_GROUP >= 4 ? 2 : 4) window_decode_v3(WINDOW_DECODE_PARAMS) {
+    window_decode<3, decode_v3::ROW_KEYS>(WINDOW_DECODE_ARGS);
+}
 
-extern "C" __global__ void WINDOW_V3_BOUNDS window_decode_v3(
-    const float* __restrict__ q, const cache_t* __restrict__ k, const cache_t* __restrict__ v,
-    const int* __restrict__ pos, const int* __restrict__ q_pos, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, float* __restrict__ out, int n_heads, int n_kv_heads, int n_slots,
-    int window_size, int sinks, int rope_mode, float scale) {
-    using namespace decode_v3;
-    const window::Args a{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale};
-    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = warp * SUB_PER_WARP + lane / LANES, d0 = (lane % LANES) * VEC, qp = q_pos[b];
-    const long long head = (long long)b * n_kv_heads + h;
-    const long long row0 = (long long)b * n_heads + (long long)h * G;
-    const float* q_group = q + row0 * HEAD_DIM;
-    float q_r[G][VEC];
-    const int q_rank = window::rank_of(qp, qp, window_size, sinks);
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) q_r[g][i] = q_group[g * HEAD_DIM + d0 + i];
-        window::rotate8(q_r[g], d0, q_rank, cos_t, sin_t, rope_mode);  // the query at its own rank
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) q_r[g][i] *= scale * LOG2E;
-    }
-    State s;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        s.m[g] = -CUDART_INF_F;
-        s.l[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s.acc[g][i] = 0.0f;
-    }
-    const cache_t* k_head = k + head * n_slots * HEAD_DIM;
-    const cache_t* v_head = v + head * n_slots * HEAD_DIM;
-    for (int base = 0; base < n_slots; base += KEYS_PER_ITER)  // warp-uniform trip count: no barrier inside
-        window::step_v3(k_head, v_head, pos + head * n_slots, base + sub, qp, a, d0, cos_t, sin_t, q_r, s);
-    Sink sink{out, nullptr, nullptr, nullptr, row0, 0, 1};
-    finish(s, sink);
+// ---------------------------------------------------------------------------
+// window_decode_v4 (decode_v4.cuh): v3's work, arguments and outputs; each warp's next slot positions
+// loaded an iteration ahead (one lane per slot, shuffled), the K/V loads of the next iteration in flight
+// during this one's math, the transposed reduction and the skipped rescale; 8 dims and one key per lane
+// and buffer, so that G <= 4 keeps 4 blocks per SM.
+//
+//   grid  = (B, Hkv), block = (128); bytes: as window_decode_v3
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(128, V4_BLOCKS_PER_SM(VEC)) window_decode_v4(WINDOW_DECODE_PARAMS) {
+    window_decode<4, window::V4_KEYS>(WINDOW_DECODE_ARGS);
 }

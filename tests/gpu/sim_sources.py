@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -288,3 +293,29 @@ def check_warp_sums(rt) -> None:
     out = dev(rt, np.zeros(96, np.float32))
     k(rt, "warp_sums")((3,), (32,), (dev(rt, x), out))
     np.testing.assert_array_equal(rt.asnumpy(out), np.repeat(x.reshape(3, 32).sum(axis=1), 32))
+
+
+# --- AddressSanitizer runs (cpu_sim/README.md, "ASan mode") ---------------------------------------------
+
+def asan_env() -> dict:
+    """The environment of a child process whose simulator builds with -fsanitize=address (skips without
+    libasan): the runtime preloaded, leaks not checked, the simulator backend forced."""
+    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
+                         text=True).stdout.strip()
+    if not os.path.isabs(lib) or not os.path.exists(lib):
+        pytest.skip("g++ has no libasan.so (install libasan for the ASan tests)")
+    return dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
+                MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
+
+
+def run_under_asan(test_file: str, select: str, at_least: int) -> None:
+    """Run the tests ``select`` of ``test_file`` in a child process under ASan; assert no report and at
+    least ``at_least`` of them passed."""
+    if os.environ.get("MINIKV_SIM_ASAN") == "1":
+        pytest.skip("already running under ASan")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", select],
+                          env=asan_env(), capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "AddressSanitizer" not in proc.stderr
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= at_least and "failed" not in proc.stdout, proc.stdout[-2000:]

@@ -8,12 +8,15 @@ launch on a GPU. These stand-ins expose what a ``cupy.ndarray`` and a ``cupy.Raw
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 from sim_sources import SOURCE
 
 from minikv.errors import KernelLaunchError
-from minikv_gpu import runtime
+from minikv_gpu import cupy_status, runtime
 
 
 class _Flags:
@@ -150,3 +153,44 @@ def test_cupy_launches_get_the_simulators_resource_checks(cupy_kernel):
     with pytest.raises(KernelLaunchError, match="69632 registers"):
         cupy_kernel((1,), (544,), (x, out, np.int32(8)))
     assert [launch[3] for launch in raw.launches] == [48 * 1024 - 1024, 100_000, 0]
+
+
+# --- when CuPy cannot start: which problem, and what to install, in one line --------------------------------
+
+class _CudaError(Exception):
+    def __init__(self, status):
+        super().__init__(f"cudaError {status}")
+        self.status = status
+
+
+def _fake_cupy(status):
+    def count():
+        raise _CudaError(status)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count)))
+
+
+@pytest.mark.parametrize("driver, status, says", [
+    (12040, None, ["not installed", "minikv[cuda12]", "CUDA 12.4"]),   # Colab: a CUDA 12 driver, no CuPy
+    (13000, None, ["not installed", "minikv[cuda13]"]),
+    (None, None, ["not installed", "minikv[cuda12]", "minikv[cuda13]", "NVIDIA driver"]),
+    (12020, 35, ["older than this CuPy", "uninstall", "minikv[cuda12]"]),  # cupy-cuda13x on a CUDA 12 driver
+    (13000, 100, ["no CUDA device"]),
+])
+def test_cupy_that_cannot_start_says_why_and_what_to_install(monkeypatch, driver, status, says):
+    monkeypatch.setattr(cupy_status, "driver_cuda_version", lambda: driver)
+    monkeypatch.setitem(sys.modules, "cupy", None if status is None else _fake_cupy(status))
+    cupy, reason = cupy_status.cupy_or_reason()
+    assert cupy is None and "\n" not in reason
+    for word in says:
+        assert word in reason, (word, reason)
+
+
+def test_compare_with_backend_cupy_fails_in_one_line_before_building_the_model(monkeypatch, capsys):
+    from minikv import cli
+
+    monkeypatch.setattr(cupy_status, "driver_cuda_version", lambda: 12040)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(runtime, "_RUNTIMES", {})
+    code = cli.main(["compare", "--backend", "cupy", "--random", "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "minikv[cuda12]" in err[0] and "CUDA 12.4" in err[0]

@@ -35,8 +35,10 @@ class HostLogits:
     def __init__(self, model):
         self.model = model
 
-    def forward(self, tokens, cache, seq_ids=None):
-        return self.model.rt.asnumpy(self.model.forward(tokens, cache, seq_ids))
+    def forward(self, tokens, cache, seq_ids=None, then=None):
+        host = self.model.rt.asnumpy
+        hook = None if then is None else (lambda logits: then(host(logits)))  # the scheduler samples host rows
+        return host(self.model.forward(tokens, cache, seq_ids, then=hook))
 
     def __getattr__(self, name):
         return getattr(self.model, name)

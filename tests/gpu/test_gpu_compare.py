@@ -8,6 +8,7 @@ import pytest
 from minikv import cli
 from minikv.weights.random_models import random_model
 from minikv_gpu import compare as cmp
+from minikv_gpu.compare import CompareResult, StepResult, judge_step
 
 
 def tiny():
@@ -77,3 +78,30 @@ def test_compare_errors(capsys):
         cmp.compare(tiny(), [], 2, backend="sim")
     with pytest.raises(ConfigError, match="window"):
         cmp.compare(tiny(), [1], 2, backend="sim", cache="window")
+
+
+def _step(ref, got, tol, step=1):
+    return StepResult(step=step, kind="decode", tokens=1, **judge_step(np.asarray(ref, np.float32),
+                                                                        np.asarray(got, np.float32), tol,
+                                                                        numpy_s=0.0, gpu_s=0.0))
+
+
+def test_a_disagreement_in_a_near_tie_is_reported_as_a_tie_not_a_failure():
+    """A float16 run's bar is 1e-2 and SmolLM2 decodes through top-1/top-2 gaps of about 0.0125: where the
+    gap is below the bar, the GPU taking the second token is a tie; where it is above, a failure."""
+    ref = [0.0, 3.0, 2.992, -1.0]                               # the top two 0.008 apart
+    near = _step(ref, [0.0, 2.99, 2.995, -1.0], tol=1e-2)       # the GPU picks token 2
+    assert not near.agree and near.tie and abs(near.top_gap - 0.008) < 1e-6
+    assert not _step(ref, [0.0, 2.99, 2.995, -1.0], tol=5e-3).tie  # the same pick against a tighter bar
+    far = _step([0.0, 3.0, 2.5, -1.0], [0.0, 2.9, 2.95, -1.0], tol=1e-2)  # a gap of 0.5: a failure
+    assert not far.agree and not far.tie
+    wrong = _step(ref, [0.0, 3.0, 2.9, 3.1], tol=1.0)           # token 3 lies 4 below the top: never a tie
+    assert not wrong.tie and wrong.gpu_token_gap == 4.0
+    same = _step(ref, ref, tol=1e-3)
+    assert same.agree and not same.tie
+    res = CompareResult(backend="sim", cache="contiguous", cache_dtype="float16", fused=False, prompt_tokens=1,
+                        steps=[same, near])
+    assert res.tokens_agree and res.ties == [1] and res.summary()["ties"] == [1]
+    assert res.summary()["per_step"][1]["tie"] is True
+    res.steps.append(far)
+    assert not res.tokens_agree

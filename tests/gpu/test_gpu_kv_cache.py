@@ -163,10 +163,10 @@ def test_split_key_ranges_merge_exactly(rt, splits):
     assert rel_err(s.got, s.want) <= RTOL
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, None])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, None])
 def test_version_knob_means_what_it_means_for_paged(rt, version):
     """version=1: decode_attention_v1 (one range); 2: decode_attention_v2 + attention_reduce_v2, even
-    with one split; 3 and None on a decode step: decode_attention_v3 (+ the reduce when split). All
+    with one split; 3, 4 and None on a decode step: decode_attention_v3 or _v4 (+ the reduce when split). All
     equal the NumPy cache (tests/gpu/test_gpu_v3.py has v3's own matrix and its prefill fallback)."""
     tw = Twin(rt, 6, 2, 64, max_seqs=2, max_len=100)
     tw.gpu.version = version
@@ -181,13 +181,13 @@ def test_version_knob_means_what_it_means_for_paged(rt, version):
                 tw.gpu.prepare_attend(1, q, num_splits=splits)
             continue
         launch = tw.gpu.prepare_attend(1, q, num_splits=splits)
-        want = version or 3
-        assert launch.version == want and (launch.splits == 1 or want in (2, 3))
+        want = version or 4
+        assert launch.version == want and (launch.splits == 1 or want in (2, 3, 4))
     tw.gpu.abort_step()
     s = tw.step("ab", [1, 1], num_splits=None if version == 1 else 3)
     assert rel_err(s.got, s.want) <= RTOL
     with pytest.raises(ConfigError, match="version"):
-        gpu.ContiguousKVCache(1, 1, 64, 1, 4, runtime=rt, version=4)
+        gpu.ContiguousKVCache(1, 1, 64, 1, 4, runtime=rt, version=5)
     with pytest.raises(ConfigError, match="num_splits"):
         gpu.ContiguousKVCache(1, 1, 64, 1, 4, runtime=rt, version=1, num_splits=2)
 

@@ -14,14 +14,11 @@
 ``MINIKV_SIM_ASAN=1`` runs this file under AddressSanitizer; the last test does so for a subset.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_sources import run_under_asan
 from test_gpu_kv_cache import fp16_bound
 
 from minikv import mla as ref
@@ -160,8 +157,8 @@ def test_fp16_within_the_derived_bound_of_exact_fp32(rt, num_splits):
     p = np.exp(sc - sc.max(-1, keepdims=True))
     exact = (p / p.sum(-1, keepdims=True)) @ lat[:, :r]
     i32 = lambda a: rt.asarray(np.asarray(a, dtype=np.int32))  # noqa: E731
-    got = gpu.absorbed_attention(rt, gpu.mla_defines(m, np.float16), rt.asarray(q), rt.asarray(lat.astype(np.float16)),
-                                 (s, i32([[0]])), i32([0]), i32([s - 1]), s, scale, num_splits)
+    got = gpu.absorbed_attention(gpu.mla_defines(m, np.float16), rt.asarray(q), rt.asarray(lat.astype(np.float16)),
+                                 (s, i32([[0]])), i32([0]), i32([s - 1]), s, scale, num_splits, runtime=rt)
     bound = fp16_bound(q * np.float32(scale * np.sqrt(w)), [lat], [lat[:, :r]])
     assert np.max(np.abs(rt.asnumpy(got)[0] - exact)) <= bound
     assert np.max(np.abs(rt.asnumpy(got)[0] - exact)) > 0  # it did round
@@ -204,18 +201,23 @@ def test_sizes_the_kernel_cannot_load_are_refused_by_name(rt):
 
 def test_asan_subset(sim_rt):
     """This file's kernels compiled with -fsanitize=address (a subset, in a subprocess): no report."""
-    if os.environ.get("MINIKV_SIM_ASAN") == "1":
-        pytest.skip("already running under ASan")
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "sim and (write or paged_absorbed or fp16_within) and not asan"], env=env,
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 10 and "failed" not in proc.stdout, proc.stdout[-2000:]
+    run_under_asan(__file__, "sim and (write or paged_absorbed or fp16_within) and not asan", at_least=10)
+
+
+def test_latent_and_reference_attention_mirror_numpy(rt):
+    """minikv_gpu.mla.latent_attention / reference_attention: minikv's names and arguments (a reader of latent
+    rows, the up-projections), the absorbed kernel's answer; a decode row and a prefill over a history."""
+    rng = np.random.default_rng(3)
+    hq, r, p, dn, dv = 3, 16, 8, 5, 7
+    m = _mla(r, p, dn, dv)
+    up = _ups(rng, 1, hq, m)[0]
+    lat = rng.standard_normal((13, r + p)).astype(np.float32)
+    for past, t in ((12, 1), (9, 4)):
+        q = rng.standard_normal((t, hq, dn + p)).astype(np.float32)
+        read = lambda k0, k1: lat[k0:k1]  # noqa: E731
+        want = ref.latent_attention(q, read, past, up, m)
+        got = rt.asnumpy(gpu.latent_attention(q, read, past, up, m, runtime=rt))
+        assert rel_err(got, want) <= KERNEL_RTOL
+    q = rng.standard_normal((6, hq, dn + p)).astype(np.float32)
+    want = ref.reference_attention(q, lat[:6], up, m)
+    assert rel_err(rt.asnumpy(gpu.reference_attention(q, lat[:6], up, m, runtime=rt)), want) <= KERNEL_RTOL

@@ -163,11 +163,11 @@ def test_v2_partitions_merge_to_v1(rt, partition_size):
 def test_version_choice(sim_rt):
     """The documented rule (the simulator counts as one multiprocessor: 4 blocks fill it)."""
     sim = sim_rt
-    assert gpu.choose_version(512, 1, 1, runtime=sim) == 1          # one partition: v1
-    assert gpu.choose_version(513, 1, 3, runtime=sim) == 2          # 3 blocks < 4: v2 fills the device
-    assert gpu.choose_version(513, 2, 2, runtime=sim) == 1          # 4 blocks: v1
-    assert gpu.choose_version(8193, 64, 8, runtime=sim) == 2        # very long context: always v2
-    assert gpu.choose_version(100, 1, 1, partition_size=64, runtime=sim) == 2
+    assert gpu.v1_or_v2(512, 1, 1, runtime=sim) == 1          # one partition: v1
+    assert gpu.v1_or_v2(513, 1, 3, runtime=sim) == 2          # 3 blocks < 4: v2 fills the device
+    assert gpu.v1_or_v2(513, 2, 2, runtime=sim) == 1          # 4 blocks: v1
+    assert gpu.v1_or_v2(8193, 64, 8, runtime=sim) == 2        # very long context: always v2
+    assert gpu.v1_or_v2(100, 1, 1, partition_size=64, runtime=sim) == 2
 
 
 def test_paged_attention_rejects_what_the_reference_rejects(rt):
@@ -183,7 +183,7 @@ def test_paged_attention_rejects_what_the_reference_rejects(rt):
     with pytest.raises(InvalidInputError, match="query_lens"):
         gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, [2, 1], runtime=rt)
     with pytest.raises(ConfigError, match="version"):
-        gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, version=4, runtime=rt)
+        gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, version=5, runtime=rt)
     with pytest.raises(ConfigError, match="partition_size"):
         gpu.paged_attention(q, kp, vp, batch.tables, batch.ctx, partition_size=48, runtime=rt)
     with pytest.raises(ConfigError, match="blocks_per_tile"):

@@ -57,7 +57,7 @@ def test_quantize_blocks_is_bit_exact(rt, kv_dtype, group, dtype):
     fmt = ref.kv_format(kv_dtype, group, bs, hkv, d)
     kc, vc = (np.full((nb, width), 0xA5, np.uint8) for width in fmt.block_bytes())
     dev = [rt.asarray(a) for a in (k, v, kc, vc)]
-    gq.quantize_blocks(rt, gq.quant_defines(kv_dtype, group, d, dtype), *dev, rt.asarray(blocks))
+    gq.quantize_blocks(gq.quant_defines(kv_dtype, group, d, dtype), *dev, rt.asarray(blocks), runtime=rt)
     for got, pool, before, side in ((dev[2], k, kc, fmt.k), (dev[3], v, vc, fmt.v)):
         got = rt.asnumpy(got)
         want = side.encode(pool[blocks].astype(np.float32))
@@ -79,8 +79,9 @@ def test_fp8_codes_cover_every_finite_value(rt):
     pool = x.reshape(1, -1, 1, 32)
     c = codec("fp8_e4m3fn", 32)
     codes = rt.asarray(np.zeros((1, pool.shape[1] * 34), np.uint8))
-    gq.quantize_blocks(rt, gq.quant_defines("fp8", 32, 32, np.float32), rt.asarray(pool), rt.asarray(pool),
-                       codes, rt.asarray(np.zeros_like(rt.asnumpy(codes))), rt.asarray(np.array([0], np.int32)))
+    gq.quantize_blocks(gq.quant_defines("fp8", 32, 32, np.float32), rt.asarray(pool), rt.asarray(pool),
+                       codes, rt.asarray(np.zeros_like(rt.asnumpy(codes))), rt.asarray(np.array([0], np.int32)),
+                       runtime=rt)
     assert np.array_equal(rt.asnumpy(codes)[0], c.encode(pool[0]).reshape(-1))
 
 
@@ -175,7 +176,7 @@ def test_refusals(rt):
     args = dict(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=4, block_size=32, runtime=rt)
     with pytest.raises(ConfigError, match="no GPU kernels yet"):
         gq.QuantizedPagedKVCache(**args, kv_dtype="kivi4")
-    with pytest.raises(ConfigError, match="quant_decode_attention_v3"):
+    with pytest.raises(ConfigError, match="versions 3 .* 4"):
         gq.QuantizedPagedKVCache(**args, kv_dtype="int8", version=1)
     with pytest.raises(ConfigError, match="multiple of 8"):
         gq.QuantizedPagedKVCache(**args, kv_dtype="fp8", group=4)
@@ -222,7 +223,31 @@ def test_gpu_check_quant_sim_smoke(sim_rt, tmp_path):
     assert mod.main([str(tmp_path / "q.json"), "--sim-smoke"]) == 0
     res = json.loads((tmp_path / "q.json").read_text())
     hkv, d = res["case"]["num_kv_heads"], res["case"]["head_dim"]
-    assert res["fp16"]["bytes_per_token"] == 4 * hkv * d and res["fp16"]["median_ms"] > 0
-    for kv in ("int8", "fp8"):
-        assert res[kv]["bytes_per_token"] == 2 * hkv * d // 32 * 34 and res[kv]["finite"]
-        assert res[kv]["speedup_vs_fp16"] > 0 and 0 < res[kv]["rel_err_vs_fp16"] < 0.1
+    for v in (3, 4):
+        assert res[f"fp16_v{v}"]["bytes_per_token"] == 4 * hkv * d and res[f"fp16_v{v}"]["median_ms"] > 0
+        for kv in ("int8", "fp8"):
+            e = res[f"{kv}_v{v}"]
+            assert e["bytes_per_token"] == 2 * hkv * d // 32 * 34 and e["finite"]
+            assert e["speedup_vs_fp16"] > 0 and 0 < e["rel_err_vs_fp16"] < 0.1
+
+
+@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("kv_dtype,group", [("int8", 32), ("kivi2", 8)])
+def test_quantized_paged_attention_mirrors_numpy(rt, kv_dtype, group, version):
+    """minikv_gpu.quant.quantized_paged_attention: minikv's name and arguments (host QuantizedStores, block
+    tables, context and query lengths), the GPU kernel's answer. Prefill rows see their own blocks full or residual."""
+    tw = CacheTwin(rt, kv_dtype, group, block_size=8, hq=4, hkv=2, d=64)
+    tw.step(["a", "b"], [21, 9])
+    c = tw.cpu
+    rng = np.random.default_rng(0)
+    with c.step(["a", "b"], [3, 1]):
+        k, v = (rng.standard_normal((4, 2, 64)).astype(np.float32) for _ in range(2))
+        c.write(0, k, v)
+        q = rng.standard_normal((4, 4, 64)).astype(np.float32)
+        want = c.attend(0, q)
+        step = c._require_step()
+        kp, vp = c.stores(0)
+        args = (c._step_tables, step.past + step.num_new, step.num_new)
+        got = rt.asnumpy(gq.quantized_paged_attention(q, kp, vp, *args, version=version, runtime=rt))
+        assert rel_err(got, want) <= RTOL
+        assert rel_err(got, ref.quantized_paged_attention(q, kp, vp, *args)) <= RTOL

@@ -13,21 +13,19 @@ float32 computation within test_gpu_kv_cache's documented ``fp16_bound``. The ch
 last test does so in a subprocess (every simulator test of the file).
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_sources import run_under_asan
 from test_gpu_kv_cache import RTOL, Twin, fp16_bound
 from test_gpu_paged import PagedBatch
 
 from minikv.bench.equivalence import KERNEL_RTOL, rel_err
 from minikv.errors import ConfigError, InvalidInputError
 from minikv_gpu import kv_cache as gpu_kv
-from minikv_gpu import paged as gpu
+from minikv_gpu.runtime import multiprocessors
+from minikv_gpu.versions import decode_refusal, split_plan
 
 assert RTOL == KERNEL_RTOL
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +56,27 @@ def test_paged_v3_equals_numpy(rt, block_size, heads, dtype):
     assert np.all(np.isfinite(got)) and rel_err(got, one.reference()) <= RTOL
 
 
-def test_paged_v3_launch_splits_only_below_one_wave(sim_rt):
-    """The simulator counts as one multiprocessor: 4 blocks (G <= 4) or 2 (G > 4) fill it."""
-    assert gpu.v3_partitions(200, 1, 4, 32, sim_rt) == (4, 64)     # 7 partitions of 32, 4 blocks wanted
-    assert gpu.v3_partitions(200, 4, 4, 32, sim_rt) == (1, 224)    # one wave already: unsplit
-    assert gpu.v3_partitions(200, 1, 8, 32, sim_rt) == (2, 128)    # G > 4: 2 blocks per SM
-    assert gpu.v3_partitions(20, 1, 1, 32, sim_rt) == (1, 32)      # one partition
-    assert gpu.v3_partitions(0, 3, 1, 32, sim_rt) == (1, 32)
-    assert gpu.v3_partitions(200, 3, 4, 32, sim_rt) == (1, 224)    # 3 of 4 slots: nearest is one wave
-    assert gpu.v3_partitions(200, 2, 4, 32, sim_rt) == (2, 128)
+def test_split_plan_minimises_waves_and_cuts_evenly():
+    """versions.split_plan with the device's size given: the same answers on the simulator and a GPU."""
+    # SmolLM2 on an H200 (64 x 3 blocks, 4 per SM x 132 SMs = 528 slots): 8 splits, 1536 blocks in 3 waves,
+    # 97% of the slots busy (2 splits: one wave, 73%). The nearest-wave rule took 3: 576 blocks, a second
+    # wave of 48 (55%).
+    assert split_plan(4097, 192, 4, 132, min_keys=512) == (8, 544)
+    # the quant stage's case (16 x 8 blocks): 4 even tile-aligned cuts, 2080 x 3 + 1953, not 2560 x 3 + 513
+    assert split_plan(8193, 128, 4, 132, min_keys=512) == (4, 2080)
+    # one multiprocessor of 4 slots (the simulator's size): 1, 2, 3, 4 blocks of 1000 keys
+    assert [split_plan(1000, b, 4, 1)[0] for b in (1, 2, 3, 4)] == [4, 2, 4, 1]  # 3 blocks: 12 in 3 full waves
+    assert split_plan(1000, 1, 2, 1) == (2, 512)  # 2 slots per SM (G > 4)
+    assert split_plan(20, 1, 4, 1) == (1, 32) and split_plan(0, 3, 4, 1) == (1, 32)
+    assert split_plan(200, 1, 4, 1, requested=50) == (7, 32)  # a request: clamped to one tile per split
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        keys, blocks, per_sm, sms = (int(x) for x in (rng.integers(1, 40000), rng.integers(1, 3000),
+                                                      rng.choice([2, 4]), rng.choice([1, 108, 132])))
+        z, per = split_plan(keys, blocks, per_sm, sms)
+        wave = per_sm * sms
+        assert per % 32 == 0 and (z - 1) * per < keys <= z * per  # whole tiles, no empty split
+        assert z == 1 or blocks * z <= wave or blocks * z >= 2 * wave  # never 1.x waves
 
 
 def test_paged_v3_split_equals_unsplit_and_v1(rt):
@@ -88,9 +98,8 @@ def test_paged_v3_refusals_and_choice(rt):
     odd = PagedBatch(np.random.default_rng(10), [9], [1], 4, 2, 1, 96)
     with pytest.raises(ConfigError, match="power of two"):
         odd.run(rt, version=3)
-    assert gpu.choose_version(9000, 1, 1, runtime=rt, v3=True) == 3
-    with pytest.raises(ConfigError, match="version=4"):
-        batch.run(rt, version=4)
+    with pytest.raises(ConfigError, match="version=5"):
+        batch.run(rt, version=5)
 
 
 def test_paged_cache_version_3_decodes_with_v3_and_prefills_with_v1_v2(rt):
@@ -116,13 +125,12 @@ def test_paged_cache_version_3_decodes_with_v3_and_prefills_with_v1_v2(rt):
 
 # --- the contiguous cache -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
-def test_contiguous_v3_equals_numpy(rt, heads, dtype):
-    """Histories of 0, 1, 31, 33 and 200 keys (plus the new one), unsplit and split (3 ranges)."""
+def check_contiguous(rt, heads, dtype, version: int) -> None:
+    """Histories of 0, 1, 31, 33 and 200 keys (plus the new one), unsplit and split (1, 3 or automatic
+    ranges), every unwritten position NaN: ``version`` equals NumPy, and fp16 stays within fp16_bound."""
     hq, hkv, d = heads
     tw = Twin(rt, hq, hkv, d, max_seqs=5, max_len=204, dtype=dtype)
-    tw.gpu.version = 3
+    tw.gpu.version = version
     tw.gpu.k[...] = np.nan  # every position past a history is stale: a kernel that reads one returns NaN
     tw.gpu.v[...] = np.nan
     for sid in "abcde":
@@ -138,21 +146,25 @@ def test_contiguous_v3_equals_numpy(rt, heads, dtype):
             assert err <= fp16_bound(s.q, ks, vs) + RTOL * float(np.max(np.abs(s.exact)))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "hq{}_hkv{}_d{}".format(*h))
+def test_contiguous_v3_equals_numpy(rt, heads, dtype):
+    check_contiguous(rt, heads, dtype, 3)
+
+
 def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
+    """The choice rules, and the split counts of split_plan on this device (whatever its size)."""
     tw = Twin(rt, 8, 2, 64, max_seqs=2, max_len=80)
     for sid in "ab":
         tw.add(sid)
     tw.fill("ab", [40, 3])
     q = rt.asarray(np.ones((2, 8, 64), np.float32))
     with tw.gpu.step("ab", [1, 1]):
-        assert tw.gpu.prepare_attend(1, q).version == 3  # None prefers v3 for decode
-        launch = tw.gpu.prepare_attend(1, q, num_splits=2)
+        assert tw.gpu.prepare_attend(1, q).version == 4  # None prefers the newest decode version
+        launch = tw.gpu.prepare_attend(1, q, version=3, num_splits=2)
         assert (launch.version, launch.splits) == (3, 2)
-        tw.gpu._dev["max_keys"] = 1000  # long enough for 4 ranges of MIN_KEYS_PER_SPLIT: only the waves decide
-        # the simulator's wave is 4 blocks: v3 takes the split count nearest it, v2 at least it
-        assert [tw.gpu._splits(None, b, 4, nearest=True)[0] for b in (1, 2, 3, 4)] == [4, 2, 1, 1]
-        assert [tw.gpu._splits(None, b, 4)[0] for b in (1, 2, 3, 4)] == [4, 2, 2, 1]
-        tw.gpu._dev["max_keys"] = 41
+        auto = tw.gpu.prepare_attend(1, q, version=3)
+        assert (auto.splits, auto.keys_per_split) == split_plan(41, 2 * 2, 4, multiprocessors(rt), min_keys=256)
         with pytest.raises(ConfigError, match="fused"):
             tw.gpu.prepare_rope_write_attend(1, q, q[:, :2], q[:, :2], q[:, 0, :32], q[:, 0, :32], "half",
                                              version=3)
@@ -162,24 +174,29 @@ def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
         assert tw.gpu.prepare_attend(1, q3).version in (1, 2)  # the cache's 3 falls back on a prefill step
         with pytest.raises(InvalidInputError, match="decode kernel"):
             tw.gpu.prepare_attend(1, q3, version=3)
-    assert gpu_kv.v3_refusal(4, 64, True) is None and gpu_kv.v3_refusal(9, 64, True)[0] is ConfigError
+    assert decode_refusal(4, 64, True) is None and decode_refusal(9, 64, True)[0] is ConfigError
+
+
+def test_the_split_choice_follows_the_device_size(monkeypatch):
+    """The simulator standing in for a 132-multiprocessor GPU: the cache asks split_plan with 132, so a
+    test written for one multiprocessor (or for 132) holds on both."""
+    from minikv_gpu import runtime
+
+    sim = runtime.get_runtime("sim")
+    for sms in (1, 132):
+        monkeypatch.setattr(gpu_kv, "multiprocessors", lambda rt, sms=sms: sms)
+        tw = Twin(sim, 8, 2, 64, max_seqs=2, max_len=1100)
+        for sid in "ab":
+            tw.add(sid)
+        tw.fill("ab", [999, 5])
+        tw.gpu.begin_step("ab", [1, 1])  # the plan only: nothing is launched
+        launch = tw.gpu.prepare_attend(1, sim.asarray(np.ones((2, 8, 64), np.float32)), version=3)
+        assert (launch.splits, launch.keys_per_split) == split_plan(1000, 4, 4, sms, min_keys=256)
+        tw.gpu.abort_step()
 
 
 # --- AddressSanitizer ------------------------------------------------------------------------------
 
 def test_v3_under_asan():
     """This file's v3 kernels compiled with -fsanitize=address (a subset, in a subprocess): no report."""
-    if os.environ.get("MINIKV_SIM_ASAN") == "1":
-        pytest.skip("already running under ASan")
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "sim and not asan"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 40 and "failed" not in proc.stdout, proc.stdout[-2000:]
+    run_under_asan(__file__, "sim and not asan", at_least=40)

@@ -92,11 +92,11 @@ def test_mla_kernel_is_built_for_deepseek_and_a_small_geometry_within_its_regist
 
 def test_quant_decode_kernel_is_built_for_every_codec_and_group_within_its_register_caps(rows):
     """quant.cu's decode kernel (decode_v3.cuh's launch bounds): QCODEC 0-3 (int8, fp8, kivi2, int4) x
-    GQA_GROUP 1, 4, 8, both archs; G <= 4 within 128 registers, larger groups 255; no stack."""
+    GQA_GROUP 1, 3, 4, 8, both archs; G <= 4 within 128 registers, larger groups 255; no stack."""
     qd = [r for r in rows if r["kernel"] == "quant_decode_attention_v3"]
     built = {(r["defines"].split("QCODEC=")[1].split()[0], r["defines"].split("GQA_GROUP=")[1].split()[0], r["arch"])
              for r in qd}
-    assert built == {(c, g, a) for c in "0123" for g in ("1", "4", "8") for a in report.ARCHS}
+    assert built == {(c, g, a) for c in "0123" for g in ("1", "3", "4", "8") for a in report.ARCHS}
     for r in qd:
         group = int(r["defines"].split("GQA_GROUP=")[1].split()[0])
         assert r["registers"] <= (128 if group <= 4 else 255) and r["stack_bytes"] == 0, r

@@ -5,7 +5,6 @@ context switch, AddressSanitizer builds and the signature parser CuPy's argument
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_sources import ROOT, SIM_SOURCE, SOURCE
+from sim_sources import ROOT, SIM_SOURCE, SOURCE, asan_env
 
 from minikv.errors import (
     BackendUnavailableError,
     InvalidInputError,
     KernelDeadlockError,
 )
-from minikv_gpu import cpu_sim, runtime
+from minikv_gpu import cpu_sim, cupy_status, runtime
 from minikv_gpu.cpu_sim.signature import find_kernels
 
 # ---- runtime ---------------------------------------------------------------------------------------
@@ -38,7 +37,7 @@ def test_backend_selection(monkeypatch):
 
 
 def test_asking_for_cupy_without_a_gpu_raises(monkeypatch):
-    cupy, reason = runtime._cupy_or_reason()
+    cupy, reason = cupy_status.cupy_or_reason()
     if cupy is not None:
         pytest.skip("this machine has a usable GPU")
     with pytest.raises(BackendUnavailableError, match="backend 'cupy' cannot run here"):
@@ -97,16 +96,6 @@ def test_portable_ucontext_switch_gives_the_same_results(sim_rt, monkeypatch):
 
 # ---- AddressSanitizer ---------------------------------------------------------------------------
 
-def _asan_env():
-    lib = subprocess.run([os.environ.get("CXX") or "g++", "-print-file-name=libasan.so"], capture_output=True,
-                         text=True).stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        pytest.skip("g++ has no libasan.so (install libasan for the ASan tests)")
-    env = dict(os.environ, MINIKV_SIM_ASAN="1", LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0",
-               MINIKV_GPU_BACKEND="sim", PYTHONPATH=str(ROOT))
-    return env
-
-
 def test_asan_catches_an_out_of_bounds_write():
     script = textwrap.dedent("""
         import numpy as np
@@ -116,7 +105,7 @@ def test_asan_catches_an_out_of_bounds_write():
         runtime.get_runtime("sim").kernel_from_source(src, "oob")((1,), (32,), (out,))
         print("not caught")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], env=_asan_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=asan_env(), capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr and "WRITE of size 4" in proc.stderr
@@ -133,7 +122,7 @@ def test_asan_catches_dynamic_shared_memory_beyond_the_launch_size():
                                                                 shared_mem=31 * 4)
         print("not caught")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], env=_asan_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=asan_env(), capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert proc.returncode != 0 and "AddressSanitizer: use-after-poison" in proc.stderr, proc.stderr[-3000:]
 
@@ -158,7 +147,7 @@ def test_asan_build_catches_a_misaligned_vector_load():
         except KernelFaultError as exc:
             print("caught:", exc)
     ''')
-    proc = subprocess.run([sys.executable, "-c", script], env=_asan_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=asan_env(), capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert re.search(r"caught: shifted<<<.*thread \(0,0,0\): misaligned address 0x[0-9a-f]*4 at <source>:2: "
@@ -174,7 +163,7 @@ def test_asan_run_of_the_simulator_tests():
                 "and not asan")
     files = [str(Path(__file__).with_name(n)) for n in ("test_cpu_sim.py", "test_cpu_sim_reports.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", selected],
-                          env=_asan_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          env=asan_env(), capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "AddressSanitizer" not in proc.stderr
     passed = re.search(r"(\d+) passed", proc.stdout)
