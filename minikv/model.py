@@ -362,7 +362,7 @@ class Model:
 
     def check_call(self, tokens: Sequence, cache, seq_ids: Sequence | None) -> tuple[list[np.ndarray], list]:
         """Validate a forward call: the token lists, one seq id each (default 0..B-1), and a
-        cache of this model's geometry. Returns the tokens as int64 arrays and the seq ids."""
+        cache of this model's geometry and per-layer windows. Returns the tokens as int64 arrays and the seq ids."""
         c = self.config
         toks = self.check_tokens(tokens)
         seq_ids = list(range(len(toks))) if seq_ids is None else list(seq_ids)
@@ -373,6 +373,10 @@ class Model:
             kind = "a latent cache (minikv.mla) of its MLAConfig" if c.mla else "a K/V cache"
             raise ConfigError(f"cache geometry (layers, kv_heads, head_dim)={got} does not match the model's {want} "
                               f"(it needs {kind}); build it with model.new_cache_args() or minikv.generate.make_cache")
+        windows = tuple(getattr(cache, "layer_windows", (None,) * c.num_layers))  # a cache without: every layer full
+        if windows != c.layer_windows:  # a cache that ignores a sliding layer's window gives wrong logits, silently
+            raise ConfigError(f"the cache's per-layer windows {windows} are not the model's {c.layer_windows} (None: "
+                              "full attention); build it with minikv.hybrid.hybrid_cache(kind, layer_windows, ...)")
         return toks, seq_ids
 
     def check_positions(self, positions: np.ndarray) -> None:

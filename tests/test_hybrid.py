@@ -75,14 +75,23 @@ def test_the_sliding_reference_is_the_window_mask():
 
 
 def test_the_window_changes_the_result_only_past_it():
-    """The same weights through a cache that ignores the window: equal while T <= W, different after."""
+    """The same weights with the window ignored (as long as the text): equal while T <= W, different after."""
     model = random_gemma_model(sliding_window=5, dtype=np.float64)
+    ignored = Model(replace(model.config, sliding_window=T), model.weights, dtype=np.float64)
     ids = text()
-    c = model.config
-    ignored = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 1, 64, dtype=np.float64)
-    got, want = run_steps(model, ignored, ids, []), model.logits(ids)
+    got, want = run_steps(ignored, hybrid(ignored), ids, []), model.logits(ids)
     assert_close(got[:5], want[:5], np.float64)
     assert rel_err(got[5:], want[5:]) > 1e-3
+
+
+def test_a_cache_that_ignores_the_windows_is_refused():
+    model = random_gemma_model(sliding_window=5)
+    c = model.config
+    for cache in (ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 1, 64), NoCache(**model.new_cache_args()),
+                  hybrid(Model(replace(c, sliding_window=6), model.weights))):
+        cache.add_sequence(0)
+        with pytest.raises(ConfigError, match="windows"):
+            model.forward([text(3)], cache)
 
 
 def test_sequences_of_different_lengths_share_one_step():

@@ -91,6 +91,8 @@ class HybridKVCache(KVCacheBase):
                                   f"{geometry}; expected {(len(group), self.num_kv_heads, self.head_dim, self.dtype)}")
             for j, layer in enumerate(group):
                 self._where[layer] = (cache, j)
+        # [L] the window each layer's cache keeps (None: all of it), which the model checks against its config
+        self.layer_windows = tuple(getattr(getattr(cache, "policy", None), "window", None) for cache, _ in self._where)
         self._written: set = set()
 
     # -- sequences: every group holds every sequence ----------------------------------------------

@@ -26,9 +26,9 @@ class SlidingNoCache(NoCache):
 
     def __init__(self, windows: Sequence[int | None], num_kv_heads: int, head_dim: int, dtype=np.float32):
         super().__init__(len(windows), num_kv_heads, head_dim, dtype)
-        self.windows = tuple(None if w is None else check_int(f"windows[{i}]", w) for i, w in enumerate(windows))
+        self.layer_windows = tuple(None if w is None else check_int(f"windows[{i}]", w) for i, w in enumerate(windows))
         # WindowPolicy.visible is the rule "k <= q and q - k < W": the ring's, written once (minikv.window.ring)
-        self._rules = [None if w is None else WindowPolicy(w) for w in self.windows]
+        self._rules = [None if w is None else WindowPolicy(w) for w in self.layer_windows]
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
         """q: [N, Hq, D] -> [N, Hq, D]; each sequence's tokens see their own earlier tokens, within the window."""
