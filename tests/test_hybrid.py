@@ -183,6 +183,8 @@ def base_config(**kw) -> ModelConfig:
 
 @pytest.mark.parametrize("kw, field", [
     (dict(layer_types=("full_attention",) * 2), "layer_types"),
+    (dict(layer_types="full_attention"), "layer_types"),
+    (dict(layer_types=3), "layer_types"),
     (dict(layer_types=("full_attention", "local", "full_attention")), r"layer_types\[1\]"),
     (dict(layer_types=("sliding_attention",) * 3), "sliding_window"),
     (dict(layer_types=("sliding_attention",) * 3, sliding_window=0), "sliding_window"),

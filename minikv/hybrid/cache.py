@@ -41,7 +41,7 @@ def check_layer_types(layer_types: Sequence[str] | None, num_layers: int, slidin
     """``layer_types`` as a tuple of ``num_layers`` names from ``LAYER_TYPES`` (None: all full), or a
     ConfigError naming the bad entry; a sliding layer needs a positive int ``sliding_window``."""
     types = ("full_attention",) * num_layers if layer_types is None else layer_types
-    if isinstance(types, str) or len(types) != num_layers:
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
         raise ConfigError(f"layer_types={types!r} must name one of {LAYER_TYPES} for each of the "
                           f"num_layers={num_layers} layers")
     for i, kind in enumerate(types):
