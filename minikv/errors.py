@@ -8,6 +8,7 @@ built-in (``ValueError``, ``KeyError``, ...) so generic handlers still work.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -83,7 +84,7 @@ class KernelDeadlockError(KernelFaultError):
     """Threads of a block wait on each other forever (e.g. a barrier not reached by all)."""
 
 
-# --- the one validator for integers and choices -----------------------------------
+# --- the one validator for integers, floats and choices ----------------------------
 
 def check_int(name: str, val, *, minimum: int | None = 1, maximum: int | None = None,
               error: type[MinikvError] = ConfigError, hint: str = "") -> int:
@@ -100,6 +101,18 @@ def check_int(name: str, val, *, minimum: int | None = 1, maximum: int | None = 
     if (minimum is not None and val < minimum) or (maximum is not None and val > maximum):
         raise error(f"{name}={val!r} is outside [{lo}, {hi}]{fix}")
     return int(val)
+
+
+def check_float(name: str, val, *, positive: bool = True, error: type[MinikvError] = ConfigError,
+                hint: str = "") -> float:
+    """``val`` as a Python float, or ``error`` naming ``name`` and the value: a real number (NumPy
+    floats and ints accepted, ``bool`` refused), finite, and > 0 when ``positive``."""
+    fix = f"; {hint}" if hint else ""
+    if isinstance(val, bool) or not isinstance(val, numbers.Real):
+        raise error(f"{name}={val!r} must be a {'positive ' if positive else ''}real number{fix}")
+    if not math.isfinite(val) or (positive and val <= 0):
+        raise error(f"{name}={val!r} must be {'a positive' if positive else 'a'} finite number{fix}")
+    return float(val)
 
 
 def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigError):

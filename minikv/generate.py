@@ -234,6 +234,14 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     if have is not None and need > have:
         raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "
                           f"only {have:,} are available; lower max_len (max_new_tokens) or max_seqs")
+    if any(w is not None for w in model.config.layer_windows):  # step 9: sliding layers get their own caches
+        from minikv.hybrid import hybrid_cache
+
+        if quant or eviction:
+            raise ConfigError(f"a model with sliding-window layers runs on plain hybrid caches so far; drop "
+                              f"kv_dtype={kv_dtype!r} / eviction={eviction!r}")
+        return hybrid_cache(kind, model.config.layer_windows, args["num_kv_heads"], args["head_dim"], max_len,
+                            max_seqs, dtype)
     if kind in EVICTION_KINDS:  # (a quantized kv_dtype was refused above: it needs kind "paged")
         rope = (model.cos, model.sin, model.config.rope_layout)
         return spec.build(args, max_len, max_seqs, block_size, dtype, rope=rope, **(eviction or {}))

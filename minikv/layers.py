@@ -1,4 +1,4 @@
-"""The small math the model and the steps share: RMSNorm, SiLU, RoPE (plain and YaRN).
+"""The small math the model and the steps share: RMSNorm, SiLU and GELU, RoPE (plain and YaRN).
 
 It sits below the steps (``minikv.mla`` needs YaRN's softmax factor) and below the model,
 which re-exports every name here (``from minikv.model import apply_rope`` keeps working).
@@ -28,6 +28,21 @@ def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp."""
     half = x.dtype.type(0.5)
     return x * (half + half * np.tanh(half * x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    Gemma's MLP activation (transformers' ``gelu_pytorch_tanh``: ``activations.GELUTanh``,
+    i.e. ``torch.nn.functional.gelu(x, approximate="tanh")``). Constants in x's dtype.
+    """
+    t = x.dtype.type
+    return t(0.5) * x * (t(1) + np.tanh(t(math.sqrt(2 / math.pi)) * (x + t(0.044715) * (x * x * x))))
+
+
+# The gated MLP's activation, by transformers' name (``hidden_act`` / ``hidden_activation``):
+# SwiGLU (Llama, SmolLM2, DeepSeek) or GeGLU with the tanh GELU (Gemma).
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def rope_tables(head_dim: int, max_position: int, theta: float, dtype=np.float32,

@@ -2,7 +2,7 @@
 
     model = load_checkpoint("path/to/dir")            # float32; dtype=np.float64 for exactness proofs
 
-Two architectures (``config.json``'s ``architectures[0]``):
+Three architectures (``config.json``'s ``architectures[0]``):
 
 * ``LlamaForCausalLM``: GQA. transformers rotates with ``rotate_half``, so the weights are
   used as they are with ``rope_layout="half"`` (no Q/K permutation, unlike GGUF files).
@@ -11,6 +11,12 @@ Two architectures (``config.json``'s ``architectures[0]``):
   set, ``rope_interleave``, YaRN in ``rope_parameters`` (or the older ``rope_scaling``) and
   ``attention_bias`` are honoured. A layer that uses mixture-of-experts is refused: the KV cache
   does not depend on the MLP, and loading MoE layers is out of scope here.
+* ``Gemma3ForCausalLM`` (text only, ``model_type`` gemma3_text): ``layer_types`` and ``sliding_window``,
+  RoPE per layer type (``rope_parameters``, or the older ``rope_theta``/``rope_local_base_freq``),
+  QK-norm, the sandwich norms, GeGLU, ``query_pre_attn_scalar``, the embedding scaled by sqrt(hidden)
+  (``models/gemma3/modeling_gemma3.py``). Gemma's RMSNorm multiplies by ``1 + w``
+  (``Gemma3RMSNorm``), so every norm weight is loaded as ``1 + w`` in float32, as transformers
+  computes it. Soft-capping, bidirectional attention and scaled RoPE are refused.
 
 Tensors may sit in one ``model.safetensors`` or in shards listed by
 ``model.safetensors.index.json``. They are read with ``safetensors.safe_open(...,
@@ -33,13 +39,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from minikv.errors import ModelFileNotFoundError, ModelFormatError
-from minikv.layers import YarnConfig
+from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError
+from minikv.layers import ACTIVATIONS, YarnConfig
 from minikv.mla.block import MLALayerWeights
 from minikv.mla.latent import MLAConfig
 from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
+from minikv.weights.gemma import gemma3_layer_types
 
-SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
 
 
 class _Tensors:
@@ -168,21 +175,51 @@ def _deepseek_config(cfg: dict) -> ModelConfig:
     return ModelConfig(**_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, rope_theta=theta, mla=mla))
 
 
+def _gemma3_config(cfg: dict) -> ModelConfig:
+    """Gemma-3 text: transformers 5.24's ``Gemma3TextConfig`` fields, its defaults where a field is absent."""
+    for flag in ("attention_bias", "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(flag):
+            raise ModelFormatError(f"{flag}={cfg[flag]!r}: minikv's Gemma-3 has none (use a checkpoint without it)")
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ACTIVATIONS:
+        raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
+    rp = cfg.get("rope_parameters") or {}
+    full, sliding = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    if {full.get("rope_type", "default"), sliding.get("rope_type", "default")} != {"default"}:
+        raise ModelFormatError(f"rope_parameters={rp}: minikv reads Gemma-3 with rope_type 'default' only")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    types = cfg.get("layer_types") or gemma3_layer_types(int(cfg["num_hidden_layers"]),
+                                                         int(cfg.get("sliding_window_pattern", 6)))
+    cfg = {**cfg, "hidden_act": "silu"}  # _common checks a Llama's hidden_act; Gemma's activation is read above
+    return ModelConfig(**_common(
+        cfg, num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or 256),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))), rope_layout="half",
+        layer_types=tuple(types), sliding_window=cfg.get("sliding_window"),
+        sliding_rope_theta=float(sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        hidden_act=act, qk_norm=True, sandwich_norms=True, embed_scale=hidden ** 0.5,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256))))
+
+
 # --- tensors -> weights --------------------------------------------------------------------------------
 
-def _mlp(t: _Tensors, p: str, c: ModelConfig) -> dict:
+def _mlp(t: _Tensors, p: str, c: ModelConfig, norm: np.ndarray | None = None) -> dict:
+    """The gated MLP's matrices and its input norm (Llama and DeepSeek: ``post_attention_layernorm``; else ``norm``)."""
     h, i = c.hidden_size, c.intermediate_size
-    return dict(mlp_norm=t.get(f"{p}.post_attention_layernorm.weight", (h,)),
+    return dict(mlp_norm=t.get(f"{p}.post_attention_layernorm.weight", (h,)) if norm is None else norm,
                 w_gate=t.linear(f"{p}.mlp.gate_proj.weight", h, i), w_up=t.linear(f"{p}.mlp.up_proj.weight", h, i),
                 w_down=t.linear(f"{p}.mlp.down_proj.weight", i, h))
 
 
+def _gqa(t: _Tensors, p: str, c: ModelConfig) -> dict:
+    """The GQA projections, named alike by Llama and Gemma-3."""
+    h, q, kv, a = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"{p}.self_attn"
+    return dict(wq=t.linear(f"{a}.q_proj.weight", h, q), wk=t.linear(f"{a}.k_proj.weight", h, kv),
+                wv=t.linear(f"{a}.v_proj.weight", h, kv), wo=t.linear(f"{a}.o_proj.weight", q, h))
+
+
 def _llama_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
-    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    a = f"{p}.self_attn"
-    return LayerWeights(attn_norm=t.get(f"{p}.input_layernorm.weight", (h,)), wq=t.linear(f"{a}.q_proj.weight", h, q),
-                        wk=t.linear(f"{a}.k_proj.weight", h, kv), wv=t.linear(f"{a}.v_proj.weight", h, kv),
-                        wo=t.linear(f"{a}.o_proj.weight", q, h), **_mlp(t, p, c))
+    return LayerWeights(attn_norm=t.get(f"{p}.input_layernorm.weight", (c.hidden_size,)), **_gqa(t, p, c),
+                        **_mlp(t, p, c))
 
 
 def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool) -> MLALayerWeights:
@@ -205,8 +242,20 @@ def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool) -> MLALayer
                            wo=t.linear(f"{a}.o_proj.weight", hq * m.v_head_dim, h), **q, **_mlp(t, p, c))
 
 
+def _gemma3_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
+    """Llama's matrices; four norms per layer (the MLP's is ``pre_feedforward_layernorm``) and QK-norm."""
+    h, d, a = c.hidden_size, c.head_dim, f"{p}.self_attn"
+    norm = lambda name, n: np.float32(1.0) + t.get(name, (n,))  # noqa: E731  Gemma3RMSNorm: x * (1 + w)
+    mlp = _mlp(t, p, c, norm=norm(f"{p}.pre_feedforward_layernorm.weight", h))
+    return LayerWeights(attn_norm=norm(f"{p}.input_layernorm.weight", h), **_gqa(t, p, c), **mlp,
+                        q_norm=norm(f"{a}.q_norm.weight", d), k_norm=norm(f"{a}.k_norm.weight", d),
+                        post_attn_norm=norm(f"{p}.post_attention_layernorm.weight", h),
+                        post_mlp_norm=norm(f"{p}.post_feedforward_layernorm.weight", h))
+
+
 def load_checkpoint(path, dtype=np.float32) -> Model:
-    """Load a Hugging Face checkpoint directory (``LlamaForCausalLM`` or dense ``DeepseekV3ForCausalLM``).
+    """Load a Hugging Face checkpoint directory (``LlamaForCausalLM``, dense ``DeepseekV3ForCausalLM``, or
+    ``Gemma3ForCausalLM``).
 
     path:  a directory with ``config.json`` and ``*.safetensors`` (one file or an indexed set of shards)
     dtype: the model's compute dtype, float32 (default) or float64
@@ -226,18 +275,26 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     if arch not in SUPPORTED:
         raise ModelFormatError(f"architecture {arch!r} in {path / 'config.json'} is not supported; "
                                f"minikv loads {', '.join(SUPPORTED)}")
+    reader = {"LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config,
+              "Gemma3ForCausalLM": _gemma3_config}[arch]
     try:
-        config = _llama_config(cfg) if arch == "LlamaForCausalLM" else _deepseek_config(cfg)
+        config = reader(cfg)
     except KeyError as e:
         raise ModelFormatError(f"{path / 'config.json'} lacks {e.args[0]!r}, which {arch} needs") from None
+    except ConfigError as e:  # e.g. layer_types that do not name every layer, a window that is no positive int
+        raise ModelFormatError(f"{path / 'config.json'}: {e}") from None
     t = _Tensors(path)
-    if arch == "LlamaForCausalLM":
-        layers = [_llama_layer(t, f"model.layers.{i}", config) for i in range(config.num_layers)]
-    else:
+    if arch == "DeepseekV3ForCausalLM":
         bias = bool(cfg.get("attention_bias", False))
         layers = [_deepseek_layer(t, f"model.layers.{i}", config, bias) for i in range(config.num_layers)]
+    else:
+        layer = _llama_layer if arch == "LlamaForCausalLM" else _gemma3_layer
+        layers = [layer(t, f"model.layers.{i}", config) for i in range(config.num_layers)]
     v, h = config.vocab_size, config.hidden_size
     lm_head = None if config.tie_embeddings else t.get("lm_head.weight", (v, h))  # tied: the embedding is the head
-    weights = ModelWeights(embed=t.get("model.embed_tokens.weight", (v, h)), layers=layers,
-                           final_norm=t.get("model.norm.weight", (h,)), lm_head=lm_head)
+    final_norm = t.get("model.norm.weight", (h,))
+    if arch == "Gemma3ForCausalLM":
+        final_norm = np.float32(1.0) + final_norm  # Gemma3RMSNorm: x * (1 + w)
+    weights = ModelWeights(embed=t.get("model.embed_tokens.weight", (v, h)), layers=layers, final_norm=final_norm,
+                           lm_head=lm_head)
     return Model(config, weights, dtype=dtype)

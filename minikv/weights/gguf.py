@@ -1,9 +1,9 @@
-"""SmolLM2 weights and tokenizer from the GGUF file.
+"""SmolLM2 (and Gemma-3) weights and tokenizer from the GGUF file.
 
 A GGUF file is a header of key/value metadata (``llama.block_count``,
 ``tokenizer.ggml.tokens``, ...) followed by tensors, most of them quantized in
-blocks (here Q4_1 for the layers, Q8_0 for the embedding). This module turns
-one into a ``minikv.model.Model`` and a ``Tokenizer``:
+blocks (here Q4_1 for the layers, Q8_0 for the embedding; ``minikv.weights.quants``
+dequantizes them). This module turns one into a ``minikv.model.Model`` and a ``Tokenizer``:
 
     model, tok = load_model()                       # finds the file, dequantizes to float32
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
@@ -26,21 +26,9 @@ tied to it (``lm_head=None``).
 
 The two RoPE layouts
 --------------------
-RoPE rotates pairs of dimensions of every query/key head. Which dimensions
-form a pair is a convention:
-
-* "half" (transformers' ``rotate_half``): dim ``i`` pairs with ``i + D/2``;
-* "interleaved" (llama.cpp): dim ``2i`` pairs with ``2i + 1``.
-
-The model is the same either way, as long as the Q/K projection columns are
-ordered to match. llama.cpp's converter permutes the Q and K weights of Llama
-models from the Hugging Face order into the interleaved order, so the file's
-weights are *interleaved*; transformers un-permutes them when it loads a GGUF.
-``permute_qk`` converts between the two (column ``2i + j`` of a head in the
-interleaved order is column ``j * D/2 + i`` in the half order), and
-``read_gguf(rope_layout=...)`` returns either. Using one layout's weights with
-the other layout's rotation still gives fluent text, so only logit tests catch
-it.
+llama.cpp's converter permutes the Q and K weights of Llama models into its interleaved
+layout; ``minikv.weights.rope_layouts`` explains both layouts and converts (``permute_qk``,
+``convert_rope_layout``, re-exported here), and ``read_gguf(rope_layout=...)`` returns either.
 
 Tokenizer
 ---------
@@ -50,6 +38,10 @@ file's metadata and hands them, as plain lists, to ``minikv.weights.tokenizer.To
 (whose docstring explains llama.cpp's ``smollm`` pre-tokenizer and how
 transformers' GGUF tokenizer differs). ``Tokenizer``, ``StreamDecoder`` and
 ``bytes_to_unicode`` are re-exported here for older imports.
+
+Gemma-3 (``general.architecture == "gemma3"``, step 9): ``minikv.weights.gemma`` holds what the file
+does not say, its tensor names and ``find_gemma_file``; its Q/K are stored in the half layout, and
+its SentencePiece vocabulary becomes a ``minikv.weights.sentencepiece.SentencePieceTokenizer``.
 """
 
 from __future__ import annotations
@@ -57,13 +49,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError, check_choice, check_int
+from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError, check_choice
 from minikv.model import ROPE_LAYOUTS, LayerWeights, Model, ModelConfig, ModelWeights, check_weights
+from minikv.weights.gemma import GEMMA3_TENSORS, gemma3_options
+from minikv.weights.quants import dequantize
+from minikv.weights.rope_layouts import convert_rope_layout, permute_qk
+from minikv.weights.sentencepiece import SentencePieceTokenizer
 from minikv.weights.tokenizer import (
     GPT2_SPLIT,
     SUPPORTED_PRE_TOKENIZERS,
@@ -94,7 +89,10 @@ INSTALL_HINT = (
     f"Or point {ENV_VAR} at a GGUF file: export {ENV_VAR}=/path/to/{MODEL_FILENAME}"
 )
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# llama.cpp's converter permutes Llama's Q/K rows into the interleaved order (its rotation); it leaves
+# Gemma's as transformers has them (llama.cpp rotates Gemma NEOX-style, i.e. in halves)
+FILE_ROPE_LAYOUT = {"llama": "interleaved", "gemma3": "half"}
 
 
 # --- finding the file ---------------------------------------------------------------------
@@ -144,48 +142,6 @@ def _package_folders() -> list[Path]:
         folders.append(Path(spec.origin).parent)
     return folders
 
-
-# --- RoPE layouts ---------------------------------------------------------------------------
-
-def permute_qk(w: np.ndarray, n_heads: int, to_layout: str) -> np.ndarray:
-    """Reorder the Q or K projection columns of every head between the two RoPE layouts.
-
-    w:         [..., n_heads * D], the output axis last (our ``wq: [H, Hq*D]``,
-               ``wk: [H, Hkv*D]``; pass ``n_heads=Hkv`` for keys)
-    to_layout: "interleaved": the input is in "half" order; column ``j*D/2 + i`` of
-               each head (half ``j`` in {0, 1}, pair ``i``) moves to column ``2i + j``.
-               "half": the inverse, ``2i + j`` -> ``j*D/2 + i``.
-    returns:   a new C-contiguous array of the same shape and dtype.
-
-    ``permute_qk(permute_qk(w, n, "interleaved"), n, "half")`` gives back ``w``.
-    Only Q and K need this: V and the output projection never see RoPE.
-    """
-    check_choice("to_layout", to_layout, ROPE_LAYOUTS)
-    w = np.asarray(w)
-    n_heads = check_int("n_heads", n_heads)
-    if w.ndim < 1 or w.shape[-1] % (2 * n_heads):
-        raise ShapeError(f"w.shape={w.shape}: the last axis must be n_heads * head_dim with an even head_dim "
-                         f"(n_heads={n_heads}); pass the output axis last, as in wq: [H, Hq*D]")
-    lead, half = w.shape[:-1], w.shape[-1] // n_heads // 2
-    if to_layout == "interleaved":
-        out = w.reshape(*lead, n_heads, 2, half).swapaxes(-1, -2)   # [..., heads, D/2, 2]
-    else:
-        out = w.reshape(*lead, n_heads, half, 2).swapaxes(-1, -2)   # [..., heads, 2, D/2]
-    return np.ascontiguousarray(out.reshape(w.shape))
-
-
-def convert_rope_layout(config: ModelConfig, weights: ModelWeights,
-                        to_layout: str) -> tuple[ModelConfig, ModelWeights]:
-    """The same model with Q/K columns permuted for ``to_layout`` (config updated to match).
-
-    Other weights are shared with the input, not copied.
-    """
-    check_choice("rope_layout", to_layout, ROPE_LAYOUTS)
-    if config.rope_layout == to_layout:
-        return config, weights
-    layers = [replace(lw, wq=permute_qk(lw.wq, config.num_heads, to_layout),
-                      wk=permute_qk(lw.wk, config.num_kv_heads, to_layout)) for lw in weights.layers]
-    return replace(config, rope_layout=to_layout), replace(weights, layers=layers)
 
 
 # --- reading the file -----------------------------------------------------------------------
@@ -244,12 +200,12 @@ class _Metadata:
         return value
 
 
-def _config_from(meta: _Metadata, rope_layout: str) -> ModelConfig:
-    """ModelConfig from the ``<arch>.*`` keys; the file's weights are in the interleaved layout."""
+def _config_from(meta: _Metadata) -> ModelConfig:
+    """ModelConfig from the ``<arch>.*`` keys, in the file's RoPE layout (``FILE_ROPE_LAYOUT``)."""
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(f"{meta.path}: architecture {arch!r} is not supported; minikv runs "
-                               f"{SUPPORTED_ARCHITECTURES} (Llama-style decoders such as SmolLM2)")
+                               f"{SUPPORTED_ARCHITECTURES} (Llama-style decoders such as SmolLM2, and Gemma-3)")
     hidden = meta[f"{arch}.embedding_length"]
     heads = meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
@@ -264,18 +220,20 @@ def _config_from(meta: _Metadata, rope_layout: str) -> ModelConfig:
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
     if vocab is None:
         raise ModelFormatError(f"{meta.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
+    layers = int(meta[f"{arch}.block_count"])
     try:
         return ModelConfig(
             vocab_size=int(vocab), hidden_size=int(hidden),
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-            num_layers=int(meta[f"{arch}.block_count"]), num_heads=int(heads),
+            num_layers=layers, num_heads=int(heads),
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)), head_dim=int(head_dim),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_layout=rope_layout,
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_layout=FILE_ROPE_LAYOUT[arch],
             rms_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             max_position=int(meta.get(f"{arch}.context_length", 8192)),
             tie_embeddings="output.weight" not in {t.name for t in meta.reader.tensors},
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **(gemma3_options(meta, layers, int(hidden)) if arch == "gemma3" else {}),
         )
     except ConfigError as e:
         raise ModelFormatError(f"{meta.path}: inconsistent architecture metadata: {e}") from e
@@ -289,29 +247,26 @@ _LAYER_TENSORS = {
 }
 
 
-def _weights_from(reader, path: Path, cfg: ModelConfig) -> ModelWeights:
-    """Dequantize every tensor to float32 in our [in, out] convention (interleaved Q/K, as stored)."""
-    from gguf.quants import dequantize
+def _weights_from(reader, path: Path, cfg: ModelConfig, table: dict) -> ModelWeights:
+    """Dequantize every tensor to float32 in our [in, out] convention (Q/K in the file's layout, as stored).
 
+    table: GGUF layer tensor name -> (LayerWeights field, transpose?), per architecture.
+    """
     def load(t, transpose: bool) -> np.ndarray:
         try:
-            a = dequantize(t.data, t.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ModelFormatError(f"{path}: cannot dequantize tensor {t.name!r} of type "
-                                   f"{t.tensor_type.name} ({e}); upgrade the gguf package") from e
-        want = tuple(int(n) for n in reversed(t.shape))  # numpy order is GGUF's ne[] reversed
-        if a.shape != want:
-            a = a.reshape(want)
+            a = dequantize(t.data, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))  # ne[] reversed
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
         a = a.T if transpose else a
         return np.array(a, dtype=np.float32, order="C")  # always a copy: never a view of the mmap
 
     tensors = {t.name: t for t in reader.tensors}
     expected = {"token_embd.weight", "output_norm.weight", "output.weight"}
-    expected |= {f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for n in _LAYER_TENSORS}
+    expected |= {f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for n in table}
     unknown = sorted(set(tensors) - expected)
     if unknown:
-        raise ModelFormatError(f"{path}: unexpected tensors {unknown[:5]} (a variant of the llama "
-                               "architecture that minikv does not implement)")
+        raise ModelFormatError(f"{path}: unexpected tensors {unknown[:5]} (a variant of the architecture "
+                               "that minikv does not implement)")
     missing = sorted(expected - set(tensors) - {"output.weight"})
     if missing:
         raise ModelFormatError(f"{path}: missing tensors {missing[:5]}; the file is incomplete")
@@ -319,7 +274,7 @@ def _weights_from(reader, path: Path, cfg: ModelConfig) -> ModelWeights:
     layers = []
     for i in range(cfg.num_layers):
         fields = {field: load(tensors[f"blk.{i}.{name}.weight"], transpose)
-                  for name, (field, transpose) in _LAYER_TENSORS.items()}
+                  for name, (field, transpose) in table.items()}
         layers.append(LayerWeights(**fields))
     lm_head = tensors.get("output.weight")
     weights = ModelWeights(embed=load(tensors["token_embd.weight"], False), layers=layers,
@@ -333,24 +288,28 @@ def _weights_from(reader, path: Path, cfg: ModelConfig) -> ModelWeights:
 
 
 def read_gguf(path: str | os.PathLike | None = None,
-              rope_layout: str = "interleaved") -> tuple[ModelConfig, ModelWeights]:
+              rope_layout: str | None = None) -> tuple[ModelConfig, ModelWeights]:
     """Read config and float32 weights from a GGUF file (``path=None``: ``find_model_file()``).
 
-    rope_layout: "interleaved" keeps the file's Q/K order (llama.cpp's rotation);
-                 "half" un-permutes Q/K for transformers' ``rotate_half``.
+    rope_layout: None keeps the file's Q/K order (``FILE_ROPE_LAYOUT``: "interleaved" for Llama,
+                 llama.cpp's rotation; "half" for Gemma-3); "half" or "interleaved" permutes Q/K
+                 (and QK-norm weights) into that layout, e.g. "half" for transformers' ``rotate_half``.
     Both give the same logits. Every call reads and dequantizes the file again
     (about a second for SmolLM2); ``load_model`` caches.
     """
-    check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+    if rope_layout is not None:
+        check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
     path = find_model_file(path)
     reader = _open_reader(path)
     cfg, weights = _model_from(reader, path)
-    return convert_rope_layout(cfg, weights, rope_layout)
+    return convert_rope_layout(cfg, weights, rope_layout or cfg.rope_layout)
 
 
 def _model_from(reader, path: Path) -> tuple[ModelConfig, ModelWeights]:
-    cfg = _config_from(_Metadata(reader, path), "interleaved")
-    return cfg, _weights_from(reader, path, cfg)
+    meta = _Metadata(reader, path)
+    cfg = _config_from(meta)  # (refuses an unknown architecture)
+    gemma = meta["general.architecture"] == "gemma3"
+    return cfg, _weights_from(reader, path, cfg, GEMMA3_TENSORS if gemma else _LAYER_TENSORS)
 
 
 def tokenizer_from_reader(reader, path: Path) -> Tokenizer:
@@ -361,9 +320,18 @@ def tokenizer_from_reader(reader, path: Path) -> Tokenizer:
     """
     meta = _Metadata(reader, path)
     model = meta["tokenizer.ggml.model"]
+    if model == "llama":  # SentencePiece (Gemma)
+        if meta.get("tokenizer.ggml.add_space_prefix", False):
+            raise ModelFormatError(f"{path}: tokenizer.ggml.add_space_prefix=True (a leading '▁') is not "
+                                   "implemented; minikv's SentencePiece tokenizer reads Gemma's vocabulary")
+        return SentencePieceTokenizer(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+                                      meta["tokenizer.ggml.token_type"],
+                                      bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                                      eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                                      add_bos=meta.get("tokenizer.ggml.add_bos_token", True))
     if model != "gpt2":
         raise ModelFormatError(f"{path}: tokenizer model {model!r} is not implemented; minikv reads "
-                               "byte-level BPE ('gpt2') vocabularies")
+                               "byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies")
     pre = check_choice(f"{path}: tokenizer.ggml.pre", meta.get("tokenizer.ggml.pre", "gpt-2"),
                        SUPPORTED_PRE_TOKENIZERS, error=ModelFormatError)
     tokens = meta["tokenizer.ggml.tokens"]
@@ -389,7 +357,7 @@ _CACHE_FILES = 2
 
 
 def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
-               rope_layout: str = "interleaved", cache: bool = True) -> tuple[Model, Tokenizer]:
+               rope_layout: str | None = None, cache: bool = True) -> tuple[Model, Tokenizer]:
     """The model and its tokenizer, ready to run: ``model, tok = load_model()``.
 
     dtype:       compute dtype of the model, np.float32 or np.float64
@@ -397,7 +365,8 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
     cache:       reuse weights read earlier in this process from the same file (keyed by
                  path, size and modification time); cached weights are read-only
     """
-    check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+    if rope_layout is not None:
+        check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
     path = find_model_file(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
@@ -405,7 +374,8 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
     if entry is None:
         reader = _open_reader(path)
         cfg, weights = _model_from(reader, path)
-        entry = {"tokenizer": tokenizer_from_reader(reader, path), cfg.rope_layout: (cfg, _read_only(weights))}
+        entry = {"tokenizer": tokenizer_from_reader(reader, path), "file": cfg.rope_layout,
+                 cfg.rope_layout: (cfg, _read_only(weights))}
         del reader  # release the memory map
         if cache:
             _CACHE[key] = entry
@@ -413,6 +383,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=np.float32,
                 _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)
+    rope_layout = rope_layout or entry["file"]
     if rope_layout not in entry:
         cfg, weights = convert_rope_layout(*entry[_other_layout(rope_layout)], rope_layout)
         entry[rope_layout] = (cfg, _read_only(weights))

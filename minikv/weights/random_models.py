@@ -1,4 +1,4 @@
-"""Tiny models with random weights, for fast tests (odd sizes welcome): Llama-style GQA and DeepSeek MLA.
+"""Tiny models with random weights, for fast tests (odd sizes welcome): Llama-style GQA, DeepSeek MLA, Gemma-3.
 
 Weights are drawn with std 1/sqrt(fan_in) so activations stay O(1) through the layers; the
 (tied) embedding too, so the logits come out O(1) and the next-token distribution is spread
@@ -12,6 +12,7 @@ import numpy as np
 from minikv.mla.block import MLALayerWeights
 from minikv.mla.latent import MLAConfig
 from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
+from minikv.weights.gemma import gemma3_layer_types
 
 
 class _Draw:
@@ -36,15 +37,40 @@ def random_model(num_layers: int = 2, hidden_size: int = 48, num_heads: int = 6,
                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       rope_theta=rope_theta, rope_layout=rope_layout, max_position=max_position,
                       eos_token_id=vocab_size - 1)
-    r = _Draw(seed)
-    h, i, d = hidden_size, intermediate_size, head_dim
-    layers = [LayerWeights(attn_norm=r.norm(h), wq=r.mat(h, num_heads * d), wk=r.mat(h, num_kv_heads * d),
-                           wv=r.mat(h, num_kv_heads * d), wo=r.mat(num_heads * d, h), mlp_norm=r.norm(h),
-                           w_gate=r.mat(h, i), w_up=r.mat(h, i), w_down=r.mat(i, h))
-              for _ in range(num_layers)]
-    weights = ModelWeights(embed=r.rng.standard_normal((vocab_size, h)) / np.sqrt(h), layers=layers,
-                           final_norm=r.norm(h))
-    return Model(cfg, weights, dtype=dtype)
+    return Model(cfg, _gqa_weights(cfg, _Draw(seed)), dtype=dtype)
+
+
+def _gqa_weights(c: ModelConfig, r: _Draw) -> ModelWeights:
+    """Random weights for a GQA ``ModelConfig``, with the QK-norm and sandwich norms it asks for."""
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+
+    def layer() -> LayerWeights:
+        extra = dict(q_norm=r.norm(d), k_norm=r.norm(d)) if c.qk_norm else {}
+        if c.sandwich_norms:
+            extra.update(post_attn_norm=r.norm(h), post_mlp_norm=r.norm(h))
+        return LayerWeights(attn_norm=r.norm(h), wq=r.mat(h, c.num_heads * d), wk=r.mat(h, c.num_kv_heads * d),
+                            wv=r.mat(h, c.num_kv_heads * d), wo=r.mat(c.num_heads * d, h), mlp_norm=r.norm(h),
+                            w_gate=r.mat(h, i), w_up=r.mat(h, i), w_down=r.mat(i, h), **extra)
+
+    layers = [layer() for _ in range(c.num_layers)]
+    return ModelWeights(embed=r.rng.standard_normal((c.vocab_size, h)) / np.sqrt(h), layers=layers,
+                        final_norm=r.norm(h))
+
+
+def random_gemma_model(num_layers: int = 5, hidden_size: int = 45, num_heads: int = 3, num_kv_heads: int = 1,
+                       head_dim: int = 10, intermediate_size: int = 58, vocab_size: int = 97, sliding_window: int = 5,
+                       pattern: int = 3, query_pre_attn_scalar: float = 13.0, max_position: int = 512, seed: int = 0,
+                       dtype=np.float32) -> Model:
+    """A tiny Gemma-3-style hybrid with random weights: layer i is full iff (i + 1) % ``pattern`` == 0, the others
+    slide over ``sliding_window`` keys; QK-norm, sandwich norms, GeGLU, the sqrt(H) embedding scale, RoPE bases
+    10,000 (sliding) and 1,000,000 (full), and an attention scale 1/sqrt(``query_pre_attn_scalar``) != 1/sqrt(D)."""
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      rope_theta=1_000_000.0, max_position=max_position, eos_token_id=vocab_size - 1,
+                      layer_types=gemma3_layer_types(num_layers, pattern), sliding_window=sliding_window,
+                      sliding_rope_theta=10_000.0, hidden_act="gelu_pytorch_tanh", qk_norm=True, sandwich_norms=True,
+                      embed_scale=hidden_size ** 0.5, query_pre_attn_scalar=query_pre_attn_scalar, rms_eps=1e-6)
+    return Model(cfg, _gqa_weights(cfg, _Draw(seed)), dtype=dtype)
 
 
 def default_mla(**overrides) -> MLAConfig:

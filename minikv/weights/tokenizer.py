@@ -147,7 +147,57 @@ def _token_bytes(tokens: list[str], added: list[int]) -> list[bytes]:
     return out
 
 
-class Tokenizer:
+class TokenizerBase:
+    """What every tokenizer shares on the way back from ids: validation, per-token bytes, streaming.
+
+    A subclass sets ``tokens`` ([V] strings), ``special_ids`` (the control tokens) and ``_bytes``
+    ([V] the bytes each token stands for), and writes ``encode`` and ``decode``.
+    """
+
+    tokens: list[str]
+    special_ids: frozenset
+    _bytes: list[bytes]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def _check_id(self, i) -> int:
+        return check_int("token id", i, minimum=0, maximum=self.vocab_size - 1, error=InvalidInputError,
+                         hint=f"the vocabulary has {self.vocab_size} tokens; was it produced by this model?")
+
+    def check_ids(self, ids: Iterable[int], skip_special_tokens: bool = False) -> list[int]:
+        """``ids`` ([T] ints, a list or a 1-D array) validated as Python ints, special ones dropped if asked."""
+        if isinstance(ids, (str, bytes)):
+            raise InvalidInputError(f"ids must be a sequence of token ids, got {type(ids).__name__}")
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1:
+                raise ShapeError(f"ids.shape={ids.shape}; decode one sequence (a 1-D list of ids) at a time")
+            ids = ids.tolist()
+        ids = [self._check_id(i) for i in ids]
+        return [i for i in ids if i not in self.special_ids] if skip_special_tokens else ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
+        return self._bytes[self._check_id(token_id)]
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        """A decoder fed one id at a time that only ever returns whole characters."""
+        return StreamDecoder(self, skip_special_tokens)
+
+    def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = False) -> Iterator[str]:
+        """Yield text pieces as ``ids`` arrive; for valid UTF-8 their concatenation equals ``decode(ids)``."""
+        dec = self.stream_decoder(skip_special_tokens)
+        for i in ids:
+            piece = dec.push(i)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+
+class Tokenizer(TokenizerBase):
     """Byte-level BPE tokenizer, splitting text as llama.cpp does.
 
     tokens:       [V] token strings in GPT-2's byte alphabet (``bytes_to_unicode``)
@@ -182,10 +232,6 @@ class Tokenizer:
         self._bytes = _token_bytes(self.tokens, added)
         self.default_system_prompt = _parse_chatml_system_prompt(chat_template)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, pre={self.pre!r}, bos={self.bos_token_id}, "
                 f"eos={self.eos_token_id})")
@@ -213,41 +259,10 @@ class Tokenizer:
         return [text[a:b] for _, (a, b) in self._tk.pre_tokenizer.pre_tokenize_str(text)]
 
     # -- ids -> text --------------------------------------------------------------------------
-    def _check_id(self, i) -> int:
-        return check_int("token id", i, minimum=0, maximum=self.vocab_size - 1, error=InvalidInputError,
-                         hint=f"the vocabulary has {self.vocab_size} tokens; was it produced by this model?")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
-        return self._bytes[self._check_id(token_id)]
-
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` ([T] ints): their bytes concatenated, decoded as UTF-8 (invalid bytes -> U+FFFD)."""
-        if isinstance(ids, (str, bytes)):
-            raise InvalidInputError(f"ids must be a sequence of token ids, got {type(ids).__name__}")
-        if isinstance(ids, np.ndarray):
-            if ids.ndim != 1:
-                raise ShapeError(f"ids.shape={ids.shape}; decode one sequence (a 1-D list of ids) at a time")
-            ids = ids.tolist()
-        ids = [self._check_id(i) for i in ids]
-        if skip_special_tokens:
-            ids = [i for i in ids if i not in self.special_ids]
+        ids = self.check_ids(ids, skip_special_tokens)
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
-        """A decoder fed one id at a time that only ever returns whole characters."""
-        return StreamDecoder(self, skip_special_tokens)
-
-    def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = False) -> Iterator[str]:
-        """Yield text pieces as ``ids`` arrive; their concatenation equals ``decode(ids)``."""
-        dec = self.stream_decoder(skip_special_tokens)
-        for i in ids:
-            piece = dec.push(i)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
 
     # -- chat ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -282,7 +297,7 @@ class StreamDecoder:
     character becomes U+FFFD, as in ``Tokenizer.decode``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: TokenizerBase, skip_special_tokens: bool = False):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
