@@ -31,6 +31,7 @@ Two implementations live here:
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -105,11 +106,41 @@ def lookup_sequence(table: dict, seq_id):
                                    f"{sorted(table, key=str)}); call add_sequence first") from None
 
 
+def _records_write(fn):
+    """Wrap a cache's ``write``: the layer counts as written once the store succeeded."""
+    @functools.wraps(fn)
+    def write(self, layer, *args, **kwargs):
+        out = fn(self, layer, *args, **kwargs)
+        self._written.add(layer)
+        return out
+
+    write._seam_rule = True
+    return write
+
+
+def _after_write(fn):
+    """Wrap a cache's ``attend``: a layer that has not written in the open step may not attend."""
+    @functools.wraps(fn)
+    def attend(self, layer, *args, **kwargs):
+        if self._step is not None:
+            self._check_layer(layer)
+            if layer not in self._written:
+                raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step; "
+                                        "each layer writes its K/V, then attends")
+        return fn(self, layer, *args, **kwargs)
+
+    attend._seam_rule = True
+    return attend
+
+
 class KVCacheBase:
     """The interface every cache implements (see the module docstring).
 
     Subclasses implement ``length``, ``_reserve``, ``_commit``, ``_rollback``,
-    ``write`` and ``attend``; the step bookkeeping lives here once.
+    ``write`` and ``attend``; the step bookkeeping lives here once, and so do the seam's two rules,
+    which every subclass's ``write`` and ``attend`` keep (``__init_subclass__`` wraps them): a layer
+    attends only after it wrote in this step, and a step commits only once every layer wrote. A
+    half-run forward pass therefore never commits rows that hold zeros or another sequence's K/V.
     """
 
     num_layers: int
@@ -127,6 +158,14 @@ class KVCacheBase:
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
         self.dtype = dtype
         self._step: Step | None = None
+        self._written: set = set()  # layers that wrote K/V in the open step
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, wrap in (("write", _records_write), ("attend", _after_write)):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_seam_rule", False):
+                setattr(cls, name, wrap(fn))
 
     @classmethod
     def supported_dtypes(cls) -> tuple:
@@ -162,12 +201,16 @@ class KVCacheBase:
         past = [self.length(s) for s in seq_ids]  # raises UnknownSequenceError
         step = make_step(seq_ids, num_new, past)
         self._reserve(step)  # may raise CacheFullError; must leave the cache unchanged if it does
-        self._step = step
+        self._step, self._written = step, set()
         return step.positions
 
     def end_step(self) -> None:
         step = self._require_step()
         try:
+            missing = sorted(set(range(self.num_layers)) - self._written)
+            if missing:  # checked before anything changes: a half-run step must not half-commit
+                raise InvalidInputError(f"the step wrote no K/V for layers {missing}; every layer must write "
+                                        "(and attend) before the step ends")
             self._commit(step)
         except BaseException:  # a commit that refuses (it checks before changing anything) closes the step
             self._rollback(step)
@@ -223,8 +266,8 @@ class KVCacheBase:
         return step
 
     def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise InvalidInputError(f"layer={layer} out of range [0, {self.num_layers})")
+        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1, error=InvalidInputError,
+                  hint="a layer index of this cache")
 
     def _reserve(self, step: Step) -> None:
         pass

@@ -178,8 +178,10 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         Decode steps only (every sequence brings one token): a sequence's new tokens
         would otherwise need keys written by other blocks of the same launch.
         """
-        return self.prepare_rope_write_attend(layer, q, k, v, cos, sin, layout, version=version,
-                                              num_splits=num_splits)()
+        out = self.prepare_rope_write_attend(layer, q, k, v, cos, sin, layout, version=version,
+                                             num_splits=num_splits)()
+        self._written.add(layer)  # the fused launch wrote this layer's K/V (the seam's rule: KVCacheBase)
+        return out
 
     # -- launches prepared once, for timing ------------------------------------------------
     def prepare_attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None):

@@ -200,3 +200,51 @@ def test_bad_inputs():
     assert cache.length(0) == 0  # the failed step rolled back
     with pytest.raises(InvalidInputError, match="no step"):
         cache.attend(0, np.zeros((1, 6, 8), np.float32))
+
+
+# --- the seam's two rules (issue 25): a layer attends only after it wrote; a step commits only once every
+#     layer wrote. Before them a step that wrote nothing committed, and its sequence held zeros or another
+#     sequence's stale rows.
+SEAM_KINDS = [("contiguous", {}), ("paged", {}), ("paged", {"kv_dtype": "int8"}), ("window", {}), ("none", {})]
+
+
+def _seam_cache(kind: str, extra: dict):
+    from minikv.generate import make_cache
+
+    model = random_model(num_layers=3, head_dim=32, dtype=np.float64)
+    eviction = {"window": 6} if kind == "window" else None
+    cache = make_cache(kind, model, max_len=16, block_size=4, eviction=eviction, **extra)
+    cache.add_sequence(0)
+    return model, cache
+
+
+@pytest.mark.parametrize("kind,extra", SEAM_KINDS, ids=lambda x: x if isinstance(x, str) else str(x))
+def test_a_step_that_wrote_no_layer_or_only_some_is_refused_and_rolled_back(kind, extra):
+    model, cache = _seam_cache(kind, extra)
+    model.forward([[1, 2, 3]], cache)
+    before = cache.length(0)
+    k = np.ones((1, model.config.num_kv_heads, model.config.head_dim))
+    for layers in ([], [0], [0, 2]):
+        with pytest.raises(InvalidInputError, match="wrote no K/V for layers"):
+            with cache.step([0], [1]):
+                for li in layers:
+                    cache.write(li, k, k)
+        assert cache.length(0) == before
+    # the cache still works, and gives what a cache that never saw the refused steps gives
+    feed = [1, 2, 3, 4] if kind == "none" else [4]  # (no cache: every pass brings the whole sequence)
+    _, fresh = _seam_cache(kind, extra)
+    model.forward([[1, 2, 3]], fresh)
+    assert np.array_equal(model.forward([feed], cache), model.forward([feed], fresh))
+
+
+@pytest.mark.parametrize("kind,extra", SEAM_KINDS, ids=lambda x: x if isinstance(x, str) else str(x))
+def test_attend_before_write_and_a_bad_layer_are_typed_errors(kind, extra):
+    model, cache = _seam_cache(kind, extra)
+    q = np.ones((1, model.config.num_heads, model.config.head_dim))
+    k = np.ones((1, model.config.num_kv_heads, model.config.head_dim))
+    for layer, match in ((1, "before write"), (1.5, "layer=1.5"), ("0", "layer='0'"), (3, "layer=3"), (-1, "layer=-1")):
+        with pytest.raises(InvalidInputError, match=match):
+            with cache.step([0], [1]):
+                cache.write(0, k, k)
+                cache.attend(layer, q)
+        assert cache.length(0) == 0

@@ -219,7 +219,9 @@ def test_misuse_raises_typed_errors():
             (InvalidInputError, "write\\(layer, latent, None\\)", lambda: cache.write(0, np.zeros((2, 1, w)),
                                                                                        np.zeros((2, 1, w)))),
             (ShapeError, "latent.shape", lambda: cache.write(0, np.zeros((2, 1, w + 1)), None)),
-            (ShapeError, "Dn \\+ dr", lambda: cache.attend(0, np.zeros((2, 3, w))))]:
+            (ShapeError, "Dn \\+ dr",
+             lambda: cache.write(0, np.zeros((2, 1, w)), None) or cache.attend(0, np.zeros((2, 3, w)))),
+            (InvalidInputError, "before write", lambda: cache.attend(1, np.zeros((2, 3, w))))]:
         with pytest.raises(error, match=match):
             with cache.step([0], [2]):
                 misuse()

@@ -18,6 +18,7 @@ so each probability by a factor within exp(+-2 eps), and
 """
 
 from collections import namedtuple
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -49,6 +50,24 @@ def fp16_bound(q: np.ndarray, ks: list, vs: list) -> float:
     return float((np.expm1(2 * eps) * (1 + U16) + U16) * vmax)
 
 
+@contextmanager
+def probe_step(cache, seq_ids, num_new):
+    """A step that only asks which kernel would run, writing nothing, and is rolled back (a step that
+    wrote no K/V may not commit: ``KVCacheBase``)."""
+    cache.begin_step(seq_ids, num_new)
+    try:
+        yield
+    finally:
+        cache.abort_step()
+
+
+def write_other_layers(cache, layer: int, k, v) -> None:
+    """Every layer must write before a step commits (``KVCacheBase``): fill the ones a test does not look at."""
+    for li in range(cache.num_layers):
+        if li != layer:
+            cache.write(li, k, v)
+
+
 class Twin:
     """A NumPy cache (same dtype), an exact float32 NumPy cache and a device cache, driven identically."""
 
@@ -74,9 +93,12 @@ class Twin:
             with c.step(seq_ids, num_new):
                 c.write(layer, k, v)
                 outs.append(c.attend(layer, q))
+                write_other_layers(c, layer, k, v)
         with self.gpu.step(seq_ids, num_new):
-            self.gpu.write(layer, self.rt.asarray(k), self.rt.asarray(v))
+            kd, vd = self.rt.asarray(k), self.rt.asarray(v)
+            self.gpu.write(layer, kd, vd)
             got = self.rt.asnumpy(self.gpu.attend(layer, self.rt.asarray(q), num_splits=num_splits))
+            write_other_layers(self.gpu, layer, kd, vd)
         assert got.dtype == np.float32 and got.shape == q.shape
         return StepOut(got, outs[0], outs[1], q)
 
@@ -85,8 +107,10 @@ class Twin:
         k = self.rng.standard_normal((int(sum(num_new)), self.hkv, self.d)).astype(np.float32)
         v = self.rng.standard_normal(k.shape).astype(np.float32)
         for c in (self.cpu, self.exact, self.gpu):
+            kv = (k, v) if c is not self.gpu else (self.rt.asarray(k), self.rt.asarray(v))
             with c.step(seq_ids, num_new):
-                c.write(layer, *((k, v) if c is not self.gpu else (self.rt.asarray(k), self.rt.asarray(v))))
+                c.write(layer, *kv)
+                write_other_layers(c, layer, *kv)
 
     def histories(self, layer=1):
         """Every (sequence, KV head) history of the exact cache: lists of [S, D] keys and values."""
@@ -196,7 +220,7 @@ def test_automatic_split_choice(rt):
     """On the simulator (one 'multiprocessor') nothing is split; a request is clamped to whole tiles."""
     c = gpu.ContiguousKVCache(1, 1, 64, 1, 300, runtime=rt)
     c.add_sequence(0)
-    with c.step([0], [100]):
+    with probe_step(c, [0], [100]):
         assert c._splits(50, 1) == (4, 32)  # at most one split per 32-key tile
         assert c._splits(2, 1) == (2, 64)
         if rt.name == "sim":
@@ -236,6 +260,7 @@ def test_fused_kernel_equals_unfused_path(rt, layout, dtype):
             cos, sin = cos_t[pos], sin_t[pos]
             cpu.write(1, ref_rope(k, cos, sin, layout), v)
             want = cpu.attend(1, ref_rope(q, cos, sin, layout))
+            write_other_layers(cpu, 1, k, v)
         outs = []
         for i, c in enumerate(caches):
             with c.step(range(3), num_new):
@@ -246,6 +271,7 @@ def test_fused_kernel_equals_unfused_path(rt, layout, dtype):
                     qd, kd, vd, cd, sd = args
                     c.write(1, gpu_rope(kd, cd, sd, layout, runtime=rt), vd)
                     outs.append(rt.asnumpy(c.attend(1, gpu_rope(qd, cd, sd, layout, runtime=rt))))
+                write_other_layers(c, 1, args[1], args[2])
         assert rel_err(outs[1], outs[0]) <= RTOL
         assert rel_err(outs[0], want) <= RTOL
     stored_tol = 0 if dtype == np.float32 else 2.0 ** -10  # fp16: an FMA-contracted rotation may round 1 ulp apart
@@ -304,6 +330,9 @@ def test_errors_name_the_problem(rt):
             c.write(0, rt.asarray(np.ones((2, 2, 64))), ones(2, 2, 64))
         with pytest.raises(InvalidInputError, match="layer=1"):
             c.write(1, ones(2, 2, 64), ones(2, 2, 64))
+        with pytest.raises(InvalidInputError, match="before write"):
+            c.attend(0, ones(2, 2, 64))
+        c.write(0, ones(2, 2, 64), ones(2, 2, 64))
         with pytest.raises(ShapeError, match="q.shape"):
             c.attend(0, ones(2, 3, 64))
         with pytest.raises(InvalidInputError, match="one new token"):

@@ -372,6 +372,9 @@ def test_cache_errors(rt):
             c.write(0, ones(2, 3, 16), ones(2, 3, 16))
         with pytest.raises(DTypeError, match="float32"):
             c.write(0, rt.asarray(np.ones((2, 2, 16))), ones(2, 2, 16))
+        with pytest.raises(InvalidInputError, match="before write"):
+            c.attend(0, ones(2, 2, 16))
+        c.write(0, ones(2, 2, 16), ones(2, 2, 16))
         with pytest.raises(ShapeError, match="q.shape"):
             c.attend(0, ones(2, 3, 16))
         with pytest.raises(ConfigError, match="version"):

@@ -243,6 +243,7 @@ def test_quantized_paged_attention_mirrors_numpy(rt, kv_dtype, group, version):
     with c.step(["a", "b"], [3, 1]):
         k, v = (rng.standard_normal((4, 2, 64)).astype(np.float32) for _ in range(2))
         c.write(0, k, v)
+        c.write(1, k, v)  # every layer writes before a step commits
         q = rng.standard_normal((4, 4, 64)).astype(np.float32)
         want = c.attend(0, q)
         step = c._require_step()

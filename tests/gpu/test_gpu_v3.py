@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sim_sources import run_under_asan
-from test_gpu_kv_cache import RTOL, Twin, fp16_bound
+from test_gpu_kv_cache import RTOL, Twin, fp16_bound, probe_step
 from test_gpu_paged import PagedBatch
 
 from minikv.bench.equivalence import KERNEL_RTOL, rel_err
@@ -113,11 +113,11 @@ def test_paged_cache_version_3_decodes_with_v3_and_prefills_with_v1_v2(rt):
     for t in range(3):
         tw.forward([[4 + t], [9 + t]], [0, 1])
     c = tw.c_gpu
-    with c.step([0, 1], [1, 1]):
+    with probe_step(c, [0, 1], [1, 1]):
         q = rt.asarray(np.ones((2, 6, 16), np.float32))
         assert c.prepare_attend(0, q).version == 3
         assert c.prepare_attend(0, q, version=1).version == 1
-    with c.step([0, 1], [2, 1]):
+    with probe_step(c, [0, 1], [2, 1]):
         assert c.prepare_attend(0, rt.asarray(np.ones((3, 6, 16), np.float32))).version in (1, 2)
         with pytest.raises(InvalidInputError, match="decode kernel"):
             c.prepare_attend(0, rt.asarray(np.ones((3, 6, 16), np.float32)), version=3)
@@ -159,7 +159,7 @@ def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
         tw.add(sid)
     tw.fill("ab", [40, 3])
     q = rt.asarray(np.ones((2, 8, 64), np.float32))
-    with tw.gpu.step("ab", [1, 1]):
+    with probe_step(tw.gpu, "ab", [1, 1]):
         assert tw.gpu.prepare_attend(1, q).version == 4  # None prefers the newest decode version
         launch = tw.gpu.prepare_attend(1, q, version=3, num_splits=2)
         assert (launch.version, launch.splits) == (3, 2)
@@ -169,7 +169,7 @@ def test_contiguous_v3_is_chosen_for_decode_and_refused_for_prefill(rt):
             tw.gpu.prepare_rope_write_attend(1, q, q[:, :2], q[:, :2], q[:, 0, :32], q[:, 0, :32], "half",
                                              version=3)
     tw.gpu.version = 3
-    with tw.gpu.step("ab", [2, 1]):
+    with probe_step(tw.gpu, "ab", [2, 1]):
         q3 = rt.asarray(np.ones((3, 8, 64), np.float32))
         assert tw.gpu.prepare_attend(1, q3).version in (1, 2)  # the cache's 3 falls back on a prefill step
         with pytest.raises(InvalidInputError, match="decode kernel"):
