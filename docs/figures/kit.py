@@ -15,13 +15,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
-INK, MUTED, GRID = "#1f2430", "#6b7280", "#9ca3af"
-BLUE, LIGHT, ORANGE, GREEN, RED = "#4c78a8", "#b9d3ee", "#f58518", "#54a24b", "#e45756"
-GREY, WHITE, PURPLE, PALE_GREEN, YELLOW = "#e5e7eb", "#ffffff", "#b279a2", "#c7e9c0", "#eeca3b"
+
+class C:
+    """The palette."""
+
+    INK, MUTED, GRID = "#1f2430", "#6b7280", "#9ca3af"
+    BLUE, LIGHT, ORANGE, GREEN, RED = "#4c78a8", "#b9d3ee", "#f58518", "#54a24b", "#e45756"
+    GREY, WHITE, PURPLE, PALE_GREEN, YELLOW = "#e5e7eb", "#ffffff", "#b279a2", "#c7e9c0", "#eeca3b"
+
+
+INK, WHITE = C.INK, C.WHITE
 
 STYLE = {"svg.hashsalt": "minikv", "svg.fonttype": "path", "font.family": "DejaVu Sans", "font.size": 10,
-         "axes.edgecolor": INK, "axes.labelcolor": INK, "xtick.color": INK, "ytick.color": INK,
-         "text.color": INK, "figure.dpi": 100}
+         "axes.edgecolor": C.INK, "axes.labelcolor": C.INK, "xtick.color": C.INK, "ytick.color": C.INK,
+         "text.color": C.INK, "figure.dpi": 100}
 plt.rcParams.update(STYLE)
 
 
