@@ -229,7 +229,7 @@ def test_every_claim_has_a_verdict_and_a_check(title, body):
     assert TEST_REF.search(check[1]) or "`minikv " in check[1], f"claim {title!r} checks nothing runnable"
 
 
-@pytest.mark.parametrize("title, body", list(_sections("interview.md", "## Q").items()))
+@pytest.mark.parametrize("title, body", list(_sections("interview.md", "### Q").items()))
 def test_every_question_has_a_snippet_and_a_test(title, body):
     assert "```python" in body or "`minikv " in body or "\nminikv " in body, f"Q{title} has no snippet"
     assert TEST_REF.search(body), f"Q{title} names no test"

@@ -31,7 +31,7 @@ INTERVIEW = (ROOT / "docs" / "interview.md").read_text(encoding="utf-8")
 
 def question(n: int) -> str:
     """The text of question ``n`` of the interview guide, its heading included."""
-    m = re.search(rf"^## Q{n}\. .*?(?=^## Q\d+\. |\Z)", INTERVIEW, re.S | re.M)
+    m = re.search(rf"^### Q{n}\. .*?(?=^#{{2,3}} |\Z)", INTERVIEW, re.S | re.M)
     assert m, f"docs/interview.md has no Q{n}"
     return m.group(0)
 
