@@ -74,17 +74,17 @@ def fig_flash_io():
     fig, ax = plt.subplots(figsize=(7.2, 3.9))
     for d, dash in ((128, "-"), (64, "--")):
         mb = {o: [attention_hbm_bytes(n, d, b, b, o) / 1e6 for b in tiles] for o in ("standard", "flash1", "flash2")}
-        ax.plot(tiles, mb["standard"], dash, color=C.RED, label=f"standard (S, P in HBM), d = {d}")
+        ax.plot(tiles, mb["standard"], dash, color=C.RED, label=f"standard (scores in HBM), D = {d}")
         ax.plot(tiles, mb["flash1"], dash, color=C.BLUE, marker="o", ms=3.5,
-                label=f"FlashAttention, Algorithm 1 order, d = {d}")
+                label=f"FlashAttention, Algorithm 1 order, D = {d}")
         ax.plot(tiles, mb["flash2"], dash, color=C.GREEN, marker="s", ms=3.5,
-                label=f"FlashAttention-2 order, d = {d}")
+                label=f"FlashAttention-2 order, D = {d}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(tiles, [str(t) for t in tiles])
     ax.set_xlabel("tile size B (rows of Q and of K/V per tile)")
     ax.set_ylabel("HBM bytes read + written (MB)")
-    ax.set_title(f"One head, N = {n} queries and keys, fp16: tiles turn $4N^2$ into $\\approx N^2 d\\,/\\,B$",
+    ax.set_title(f"One head, S = {n} queries and keys, fp16: tiles turn $4S^2$ into $\\approx S^2 D\\,/\\,B$",
                  fontsize=10)
     ax.grid(True, which="major", color="#e5e7eb", lw=0.6)
     ax.legend(fontsize=7.5, frameon=False, loc="lower left")
