@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import ml_dtypes
-
 import numpy as np
 import pytest
 from test_errata_interview import flat
