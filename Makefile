@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test install install-test notebooks docs bench lint exercise clean
+.PHONY: demo test install install-test notebooks figures docs bench lint exercise clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ test: install-test
 notebooks: install-test
 	$(PY) notebooks/execute.py
 
+# The step pages' figures, drawn from minikv's code and numbers (tests/test_figures.py fails on a stale one).
+figures: install-test
+	$(PY) docs/figures/make.py
+
 # The docs site into site/ (mkdocs.yml): docs/, docs/zh/ and the committed notebooks (not executed), offline.
 # tests/test_site.py builds it with --strict and opens every page in headless Chromium.
 MKDOCS_FLAGS ?= --strict
@@ -72,7 +76,7 @@ bench: install-test
 	$(PY) benchmarks/parallel.py
 
 lint: install-test
-	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks exercises notebooks docs_site
+	$(VENV)/bin/ruff check minikv minikv_gpu tests benchmarks exercises notebooks docs_site docs/figures
 
 # One exercise (exercises/README.md): the lesson's own tests run on your function, e.g. make exercise EX=ring_slot.
 # With no EX: the list of exercises.

@@ -26,7 +26,19 @@ before it. Greedy decoding's next token is ``g1 = argmax(row 0)``; ``d1`` is acc
 n + 1 >= 1 tokens, each one exactly the token plain greedy decoding would have produced.
 (Exactly in float64; in float32 a [k + 1]-row pass sums in another order than k + 1 one-row
 passes, so logits differ in their last bits and a near-tie could flip; the tests check SmolLM2's
-tokens are identical.) Sampling (non-greedy acceptance) is not implemented here.
+tokens are identical.)
+
+The acceptance rule for sampling
+--------------------------------
+Greedy acceptance keeps the output token for token; sampling needs a rule that keeps its
+*distribution*. Speculative sampling (Leviathan et al., arXiv 2211.17192; Chen et al., arXiv
+2302.01318): draft token d_i was drawn from the drafter's q_i; the target gives p_i. Accept d_i with
+probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection, draw the replacement from the
+residual max(0, p_i - q_i), renormalised, and stop; if every draft is accepted, draw the bonus from
+p_{k+1}. Every emitted token is then distributed exactly as the target's own sampling would draw it
+(``accept_sampled``; ``tests/test_speculative_sampling.py`` checks it by a chi-square test). A
+deterministic drafter such as prompt lookup has q_i = one-hot(d_i): d_i is kept with probability
+p_i(d_i), and a rejection draws from p_i with d_i taken out. ``generate`` runs the greedy rule only.
 
 Rollback
 --------
@@ -118,6 +130,31 @@ def verify(model, cache, seq_id, last: int, drafts: Sequence[int], stats: SpecSt
         stats.steps, stats.drafted_steps = stats.steps + 1, stats.drafted_steps + bool(drafts)
         stats.drafted, stats.accepted = stats.drafted + len(drafts), stats.accepted + n
     return drafts[:n] + [int(greedy[n])]
+
+
+def accept_sampled(target: np.ndarray, draft: np.ndarray, drafts: Sequence[int], rng: np.random.Generator
+                   ) -> list[int]:
+    """Speculative sampling's acceptance rule: the accepted drafts, then one token drawn by the rule.
+
+    target: [k + 1, V] the target's next-token probabilities after each fed token (row 0: after the
+    newest token t0, row i: after d_i); draft: [k, V] the distributions d_1..d_k were drawn from;
+    drafts: the k draft tokens. Returns 1 .. k + 1 tokens, distributed as sampling the target alone.
+    """
+    target, draft = np.asarray(target, dtype=np.float64), np.asarray(draft, dtype=np.float64)
+    k = len(drafts)
+    if target.ndim != 2 or draft.shape != (k, target.shape[1]) or target.shape[0] != k + 1:
+        raise InvalidInputError(f"target {target.shape} and draft {draft.shape} must be [k + 1, V] and [k, V] "
+                                f"for k = {k} drafts")
+    vocab = target.shape[1]
+    for i, d in enumerate(int(x) for x in drafts):
+        if not 0 <= d < vocab or draft[i, d] <= 0:
+            raise InvalidInputError(f"draft token {d} at {i} is outside [0, {vocab}) or has draft probability 0; "
+                                    "a draft token must be drawn from its draft distribution")
+        if rng.random() < target[i, d] / draft[i, d]:  # accept with probability min(1, p / q)
+            continue
+        residual = np.maximum(target[i] - draft[i], 0.0)  # what q under-proposes: nonzero, since p(d) < q(d)
+        return [int(x) for x in drafts[:i]] + [int(rng.choice(vocab, p=residual / residual.sum()))]
+    return [int(x) for x in drafts] + [int(rng.choice(vocab, p=target[k] / target[k].sum()))]
 
 
 def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens: int, eos: int | None,

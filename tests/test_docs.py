@@ -1,7 +1,7 @@
 """The docs point only at things that exist, and their snippets run.
 
 Checked in every docs/*.md:
-  * every ```python block runs without error (fresh namespace each);
+  * every ```python block runs without error (fresh namespace each), except the lesson quotes;
   * every `minikv ...` command parses with the real CLI; `minikv memory` commands
     also run and exit 0 (they are pure arithmetic), and with --json end in a JSON line;
   * every `tests/<file>.py::test_name` names a test function that exists;
@@ -58,9 +58,13 @@ def _prose(text: str) -> str:
 
 
 def _python_blocks():
+    """Every runnable python block: not a lesson quote (a definition out of its module, kept current by
+    tests/test_step_pages.py), which follows a ``<!-- lesson: ... -->`` line."""
     for page in PAGES:
-        for i, m in enumerate(FENCE.finditer(_read(page))):
-            if m.group(1) == "python":
+        text = _read(page)
+        for i, m in enumerate(FENCE.finditer(text)):
+            quoted = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1].startswith("<!-- lesson:")
+            if m.group(1) == "python" and not quoted:
                 yield pytest.param(m.group(2), id=f"{_name(page)}-block{i}")
 
 
@@ -225,7 +229,7 @@ def test_every_claim_has_a_verdict_and_a_check(title, body):
     assert TEST_REF.search(check[1]) or "`minikv " in check[1], f"claim {title!r} checks nothing runnable"
 
 
-@pytest.mark.parametrize("title, body", list(_sections("interview.md", "## Q").items()))
+@pytest.mark.parametrize("title, body", list(_sections("interview.md", "### Q").items()))
 def test_every_question_has_a_snippet_and_a_test(title, body):
     assert "```python" in body or "`minikv " in body or "\nminikv " in body, f"Q{title} has no snippet"
     assert TEST_REF.search(body), f"Q{title} names no test"

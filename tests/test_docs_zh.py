@@ -50,8 +50,8 @@ def test_zh_page_keeps_every_number_of_the_english_page(name):
 
 
 def _headings(text: str, pattern: str) -> dict[str, str]:
-    """Section number -> its body, for headings such as "## Q7." or "## 12."."""
-    parts = re.split(rf"(?m)^## ({pattern})\.", text)
+    """Section number -> its body, for headings such as "### Q7." (interview) or "## 12." (claims)."""
+    parts = re.split(rf"(?m)^#{{2,3}} ({pattern})\.", text)
     return dict(zip(parts[1::2], parts[2::2]))
 
 

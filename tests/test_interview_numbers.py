@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from test_errata_interview import flat
@@ -217,11 +218,15 @@ def test_q42_fp8_numbers_match_the_json():
          f"({kv_dtype_bytes_per_token(smol, 'fp8') / kv_bytes_per_token(smol, 'fp16'):.2f}x)",
          f"Llama-3-70B {kv_dtype_bytes_per_token(get_preset('llama3-70b'), 'fp8') // 1024} KiB instead of "
          f"{kv_bytes_per_token(get_preset('llama3-70b'), 'bf16') // 1024} KiB",
-         f"**{fp8['delta_ppl']:.3f}** ({fp8['ppl']:.3f} against {fp8['ppl_exact']:.3f})",
+         # the perplexity change is absolute beside the absolute pair, relative beside a percentage (issue 21)
+         f"**{fp8['ppl'] - fp8['ppl_exact']:+.3f}** ({fp8['ppl']:.3f} against {fp8['ppl_exact']:.3f}, "
+         f"{fp8['delta_ppl']:+.2%})",
          f"**{fp8['kld_vs_exact']:.4f}**", f"{100 * fp8['top1_vs_exact']:.1f}% of the time",
-         f"{e5m2['delta_ppl']:+.3f} perplexity, KL {e5m2['kld_vs_exact']:.4f}, "
-         f"top-1 {100 * e5m2['top1_vs_exact']:.1f}%",
+         f"{e5m2['ppl'] - e5m2['ppl_exact']:+.3f} perplexity ({e5m2['ppl']:.3f} against {e5m2['ppl_exact']:.3f}, "
+         f"{e5m2['delta_ppl']:+.2%}), KL {e5m2['kld_vs_exact']:.4f}, top-1 {100 * e5m2['top1_vs_exact']:.1f}%",
          f"KL of {int8['kld_vs_exact']:.4f}", "1.0625 bytes per value")
+    for relative in (fp8["delta_ppl"], e5m2["delta_ppl"]):  # never a relative change printed as an absolute one
+        assert f"{relative:+.3f} perplexity" not in question(42) and f"**{relative:.3f}**" not in question(42)
 
 
 def test_q43_tensor_parallel_kv_per_rank():
@@ -243,7 +248,12 @@ def test_q44_tiling_changes_only_rounding():
         b = osm.attend_contiguous(q.astype(dtype), k.astype(dtype), v.astype(dtype), key_tile=1024)
         diff[dtype] = np.abs(a - b).max()
     assert diff[np.float64] < 1e-15 and 1e-9 < diff[np.float32] < 1e-6   # float64 "to 1e-16", float32 "about 1e-7"
-    says(question(44), "float64 agrees to 1e-16, float32 only to about 1e-7", "2^-8, 0.4%")
+    says(question(44), "float64 agrees to 1e-16, float32 only to about 1e-7")
+    bf16 = ml_dtypes.finfo(ml_dtypes.bfloat16)
+    assert float(bf16.eps) == 2.0**-7 and bf16.nmant + 1 == 8          # spacing next to 1.0; 8 significant bits
+    one = np.float32(1 + 2.0**-8 * 0.999)                              # just under half a step above 1.0
+    assert float(one.astype(ml_dtypes.bfloat16)) == 1.0                # rounds back: the error reaches 2^-8
+    says(question(44), f"spacing is 2^-7 ({float(bf16.eps):.2%})", f"2^-8 ({float(bf16.eps) / 2:.2%}) relative")
 
 
 # --- cheatsheet.md -----------------------------------------------------------------------------

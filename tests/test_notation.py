@@ -1,7 +1,7 @@
 """One notation on every page (issue 13): the letters docs/index.md defines mean the same thing everywhere.
 
 P prompt tokens, G generated tokens, T tokens in this forward pass, S keys a query attends, N sequences
-sharing a pool, R reserved slots, b block size, W window, n_sink sinks, budget / n_recent for an evicting
+sharing a pool, R positions reserved (a slab), b block size, W window, n_sink sinks, budget / n_recent for an evicting
 cache, g = Hq / Hkv; step-local: MLA's r, dr, Dl = r + dr, KIVI's n_res and gs.
 Before this pass S meant prompt tokens on one page, keys on another, sequences or sinks on others; the
 patterns below are those old uses, and each must be gone from the English and Chinese pages and from the
@@ -31,6 +31,8 @@ OLD_USES = {  # pattern of an old use -> what the convention writes instead
     r"\bR \+ P\b|W = R \+ P": "r + dr (MLA's latent and RoPE dims), Dl for their sum",
     r"R = B ?/ ?2|B = 64: ppl|at B = 128|\$B = \d+\$": "budget / n_recent for an evicting cache",
     r"`ctx`": "S for the keys a token attends",
+    r"slot of `?max_len|for every slot\b|length and cache slot|`R` slots|R reserved slots|预留的槽位数": (
+        "slab for a sequence's region (a slot is one token row)"),
 }
 
 

@@ -7,6 +7,9 @@
   one PNG plot, so that GitHub shows the plots.
 * The notebooks import ``minikv`` rather than paste a copy of it: no notebook defines a
   function or class under the name of one that minikv defines.
+* Each notebook shows its textbook lesson first (the code printed by ``inspect.getsource``, and a run
+  whose tokens equal the engine's), then the engine; the notebook errata of issue 21 are checked
+  against the numbers the cells print.
 
 New notebooks are picked up by the glob; ``python notebooks/execute.py`` (``make notebooks``)
 re-executes them and writes their outputs back.
@@ -116,3 +119,75 @@ def test_notebook_imports_minikv_instead_of_copying_it(path):
 def test_notebook_runs_top_to_bottom(path, smollm2_path):
     nb = _executor().run_notebook(path)  # raises CellExecutionError naming the failing cell
     assert any("image/png" in o.get("data", {}) for c in _code_cells(nb) for o in c.outputs)
+
+
+# --- the lesson first, and the notebook errata of issue 21, read from the committed outputs ----------------
+
+def _outputs(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+
+
+@notebooks
+def test_notebook_shows_the_lesson_first_then_the_engine(path):
+    nb = _read(path)
+    step = re.match(r"(\d+b?)_", path.name).group(1).lstrip("0")
+    assert nb.cells[0].source.startswith(f"# Step {step}:"), f"{path.name}: the title must carry 'Step {step}'"
+    heads = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    first = nb.cells[heads[0]]
+    assert first.source.startswith("## 0. The lesson first"), f"{path.name}: the first section is not the lesson"
+    quote, run = nb.cells[heads[0] + 1], nb.cells[heads[0] + 2]
+    assert "from minikv.textbook import" in quote.source and "inspect.getsource" in quote.source
+    shown = "\n" + _outputs(quote)
+    assert "\ndef " in shown or "\nclass " in shown, f"{path.name}: no lesson code shown"
+    assert "the lesson's tokens equal the engine's" in _outputs(run), f"{path.name}: the lesson's run did not agree"
+    engine_cells = [c for c in nb.cells[heads[0] + 3:] if c.cell_type == "code"]
+    assert engine_cells and all("minikv.textbook" not in c.source for c in engine_cells[:1])
+
+
+def test_notebooks_03_and_03b_print_the_batching_benchmark_table_once():
+    tables = [p.name for p in NOTEBOOKS if p.name.startswith("03")
+              for c in _code_cells(_read(p)) if "throughput (tok/s)" in _outputs(c)]
+    assert tables == ["03_paged_attention.ipynb"], f"the batching benchmark's table is printed in {tables}"
+
+
+def test_notebook_08_follows_step_7():
+    assert "follows [step 7](07_tiers_speculative.ipynb)" in _read(NOTEBOOK_DIR / "08_parallel.ipynb").cells[0].source
+
+
+def _cell_printing(nb, needle: str) -> int:
+    return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and needle in _outputs(c))
+
+
+def test_notebook_05_append_only_labels_are_read_before_the_decodes():
+    nb = _read(NOTEBOOK_DIR / "05_quantization.ipynb")
+    out = _outputs(nb.cells[_cell_printing(nb, "bytes unchanged after")])
+    flags = re.search(r"after the prefill: blocks \[([\d, ]+)\] quantized \[([^\]]+)\]", out)
+    blocks = [int(b) for b in flags.group(1).split(",")]
+    quantized = [f.strip() == "True" for f in flags.group(2).split(",")]
+    for b, q in zip(blocks, quantized):
+        line = re.search(rf"block {b}: +(\w+) before; bytes unchanged after \d+ more tokens: (\w+)", out)
+        assert line.group(1) == ("quantized" if q else "residual"), f"block {b} is labelled {line.group(1)}"
+        assert (line.group(2) == "True") == q, f"block {b}: a quantized block keeps its bytes, a residual does not"
+
+
+def test_notebook_04_describes_the_gap_it_printed():
+    nb = _read(NOTEBOOK_DIR / "04_mla.ipynb")
+    i = _cell_printing(nb, "expanded / absorbed")
+    ratios = [float(x) for x in re.findall(r"expanded / absorbed ([\d.]+)x", _outputs(nb.cells[i]))]
+    text = nb.cells[i + 1].source
+    assert "The gap grows with the context" not in text
+    assert "smallest at the shortest context" in text and ratios[0] == min(ratios), ratios
+    assert max(ratios) < 120 and "largest at" in _outputs(nb.cells[i])
+
+
+def test_notebook_07_compares_lru_and_arc_as_printed():
+    nb = _read(NOTEBOOK_DIR / "07_tiers_speculative.ipynb")
+    i = _cell_printing(nb, "host blocks")
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", _outputs(nb.cells[i]), re.M)}
+    text = " ".join(c.source for c in nb.cells[i + 1:i + 3] if c.cell_type == "markdown")
+    assert "at or above ARC at every size" not in text
+    arc_ahead = sorted(h for h, (lru, arc) in rows.items() if arc > lru)
+    assert arc_ahead == [32] and "above ARC at every size but 32 host blocks" in text, (rows, arc_ahead)
+    lru, arc = rows[32]
+    assert f"{arc:.3f} against {lru:.3f}" in text

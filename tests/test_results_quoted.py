@@ -46,6 +46,19 @@ def test_decode_numbers_in_readme_are_current():
         assert number in text, f"README.md should quote {number} from benchmarks/results/decode_cpu.json"
 
 
+def test_uncached_decode_numbers_are_current():
+    """docs/01_naive_attention.md: a decode step with no cache against step 2's cache, from decode_cpu.json."""
+    text = " ".join((ROOT / "docs/01_naive_attention.md").read_text().split())
+    rows = {r["ctx"]: r["minikv"] for r in _json("decode_cpu.json")["results"]}
+    for ctx, r in rows.items():
+        row = (f"| {ctx} | {r['uncached_ms_per_token']:.1f} | {r['cached_ms_per_token']:.1f} | "
+               f"{r['cache_speedup']:.1f}x |")
+        assert row in text, f"docs/01_naive_attention.md should have the row {row!r}"
+    growth = rows[1024]["uncached_ms_per_token"] / rows[256]["uncached_ms_per_token"]
+    extra = rows[1024]["cached_ms_per_token"] - rows[256]["cached_ms_per_token"]
+    assert f"{growth:.1f}x the time" in text and f"grows by only {extra:.1f} ms" in text
+
+
 def mla_numbers(contexts: tuple[int, ...]) -> list[str]:
     d = _json("mla_decode.json")
     rows = {r["ctx"]: r for r in d["results"]}

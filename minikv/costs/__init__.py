@@ -10,10 +10,12 @@ them are also in ``docs/formulas.md``):
     memory.py   KV-cache bytes (per token, per batch), parameter counts, weight bytes
     flops.py    FLOPs per layer / forward / decode / recompute / generation, the cache speed-up
     report.py   memory_report and its rendering; decimal GB next to binary GiB
+    attention_io.py  FlashAttention's I/O argument: HBM bytes of one head's attention against the tile size
 
 This package re-exports the public names, so ``from minikv.costs import X`` works for all of them.
 """
 
+from minikv.costs.attention_io import ATTENTION_ORDERS, attention_hbm_bytes
 from minikv.costs.flops import (
     FLOP_PARTS,
     arithmetic_intensity,
@@ -48,6 +50,7 @@ from minikv.costs.shape import (
 )
 
 __all__ = [
+    "ATTENTION_ORDERS", "attention_hbm_bytes",
     "DTYPE_BITS", "FLOP_PARTS", "KV_DTYPE_COSTS", "kv_dtype_bytes_per_token", "kv_dtype_sides",
     "MLP_KINDS", "NORM_KINDS", "PRESETS", "QUANTIZED_DTYPES", "ModelShape",
     "arithmetic_intensity", "cache_speedup", "decode_flops", "dtype_bytes", "expanded_kv_values_per_token",
