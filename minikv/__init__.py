@@ -20,7 +20,8 @@ Notebook NN is ``notebooks/NN_*.ipynb``, doc page NN ``docs/NN_*.md`` (``docs/zh
 learning path is ``docs/index.md``.
 
 The core, at the top of the package: ``errors`` (typed exceptions, the one int/choice validator),
-``layers`` (RMSNorm, activations, RoPE), ``attention`` (step 1), ``online_softmax`` (the running
+``layers`` (RMSNorm, activations, RoPE), ``moe`` (a mixture-of-experts MLP: the MLP half of a layer,
+which never sees the cache), ``attention`` (step 1), ``online_softmax`` (the running
 max/sum/accumulator every attention here walks its keys with), ``kv_cache`` (step 2: ``Step``, the
 ``step``/``write``/``attend`` seam, ``NoCache``, ``ContiguousKVCache``), ``model`` (the decoder, which
 never knows which cache it runs on), ``sampling``, ``generate`` (one sequence; the registry of cache
