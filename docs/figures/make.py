@@ -18,8 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # kit and the step modules; this checkout's minikv
 
-import steps_1_4  # noqa: E402
 import step_9  # noqa: E402
+import steps_1_4  # noqa: E402
 import steps_5_8  # noqa: E402
 from kit import plt, save  # noqa: E402
 

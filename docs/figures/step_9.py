@@ -5,7 +5,7 @@ the cache's size against the context, all-full against hybrid (from the lesson's
 from __future__ import annotations
 
 import numpy as np
-from kit import C, cell, label, title
+from kit import C, canvas, cell, label, plt, title
 
 from minikv.textbook.s9_hybrid import kv_tokens, layer_windows, needed_for_hit
 
@@ -21,10 +21,6 @@ def _span(ax, x0, y, scale, start, stop, fc, text=""):
 def fig_hybrid():
     """Step 9: the layer pattern; what a sliding and a full layer keep at position 2,000 and need for a prefix
     hit; bytes against context for all-full and hybrid."""
-    import matplotlib.pyplot as plt
-
-    from kit import canvas
-
     fig, ax = canvas(40, 14)
     windows = layer_windows(LAYERS, W)
     title(ax, 0, 0.4, f"Gemma-3-270M: {LAYERS} layers, every 6th full, the others slide over W = {W}")
