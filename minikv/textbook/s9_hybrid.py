@@ -188,7 +188,9 @@ class HybridCache(Cache):
 # --- end NEW ---
 
 
-def main(max_new_tokens: int = 16, draft_len: int = 4):
+def main(max_new_tokens: int = 16, draft_len: int = 4, load=None, prompts=None):
+    """Gemma-3-270M continues a text past its window, or ``load()`` -> (model, None) continues token-id ``prompts``
+    (notebooks/09_hybrid.ipynb runs a tiny random Gemma-style model)."""
     from minikv.textbook.demo import demo, engine, gemma3, one_by_one, past_the_window
     from minikv.textbook.s7_rollback import speculative_greedy
 
@@ -198,9 +200,9 @@ def main(max_new_tokens: int = 16, draft_len: int = 4):
                             rollback=draft_len, dtype=model.dtype)
         return speculative_greedy(model, cache, ids, n, draft_len)
 
-    return demo("step 9, hybrid cache (Gemma-3-270M, speculative decoding after the rings wrapped)",
-                one_by_one(lesson), engine(cache="contiguous", speculative="ngram", draft_len=draft_len),
-                max_new_tokens, questions=(past_the_window(),), load=gemma3, chat=False)
+    return demo("step 9, hybrid cache, speculative decoding after the rings wrapped", one_by_one(lesson),
+                engine(cache="contiguous", speculative="ngram", draft_len=draft_len), max_new_tokens,
+                questions=prompts or (past_the_window(),), load=load or gemma3, chat=False)
 
 
 if __name__ == "__main__":
