@@ -46,7 +46,7 @@ new_len - 1; in a ring of W slots the tokens just taken back have overwritten th
 A ring of **W + K slots** (K: the largest draft length) holds the W - 1 + K keys a query may need after
 taking back up to K tokens, and the slot its own key goes to.
 
-Run it: ``python -m minikv.textbook.s9_hybrid`` (Gemma-3-270M continues about 560 tokens of text, so
+Run it: ``python -m minikv.textbook.s9_hybrid`` (Gemma-3-270M continues 555 tokens of text, so
 every ring has wrapped, by step 7's speculative decoding through the lesson's hybrid cache; against
 ``minikv.generate.generate(..., speculative="ngram")`` on the engine's ``minikv.hybrid`` caches).
 """
