@@ -14,7 +14,7 @@ step  the idea               lesson (textbook/)     engine chapter              
 6     window and eviction    s6_window              window/                                   06
 7     tiers, speculative     s7_rollback            tiers/, speculative.py, paged/truncate.py 07
 8     across MPI ranks       s8_heads               parallel/                                 08
-9     hybrid models          (lesson: to be written) hybrid/                                  -
+9     hybrid models          s9_hybrid              hybrid/                                   09
 
 Notebook NN is ``notebooks/NN_*.ipynb``, doc page NN ``docs/NN_*.md`` (``docs/zh/`` in Chinese); the
 learning path is ``docs/index.md``.
@@ -30,7 +30,7 @@ Around them: ``weights/`` (GGUF, tokenizer, Hugging Face checkpoints, random mod
 (formulas and presets), ``bench/`` (measuring tools), ``cli/`` (the ``minikv`` command).
 
 Imports point down: errors, layers -> attention, online_softmax -> kv_cache -> paged -> mla, quant,
-window -> model -> generate, scheduler -> tiers, parallel -> cli (``tests/test_layout.py``). The GPU
+window, hybrid -> model -> generate, scheduler -> tiers, parallel -> cli (``tests/test_layout.py``). The GPU
 wing, ``minikv_gpu``, mirrors each step with CUDA C kernels under the same names.
 """
 

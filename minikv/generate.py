@@ -196,7 +196,7 @@ def available_memory_bytes() -> int | None:
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
                dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128,
-               eviction: dict | None = None) -> KVCacheBase:
+               eviction: dict | None = None, rollback: int = 0) -> KVCacheBase:
     """Build a cache of ``kind`` (a key of ``CACHE_KINDS``) sized for ``max_seqs`` x ``max_len`` tokens.
 
     An MLA model gets the latent cache of that kind (``minikv.mla``). ``kv_dtype`` (a key of
@@ -209,6 +209,9 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     ("contiguous" slots, the default, or "paged" blocks) and ``log`` (keep the eviction log that
     ``MaskedRecompute`` needs; default False: it grows with the text); other kinds refuse it.
     A model that shards itself over ranks (``minikv.parallel.tensor.ParallelModel``) builds its rank's cache.
+    A model with sliding-window layers gets a hybrid cache of ``kind`` (``minikv.hybrid``): its sliding groups
+    keep ``rollback`` (K) more tokens so that a truncate of up to K stays exact; a quantized ``kv_dtype`` or an
+    eviction kind applies to its full layers only.
     """
     if hasattr(model, "make_cache"):
         options = dict(kv_dtype=kv_dtype, group=group, residual=residual, eviction=eviction)
@@ -237,11 +240,15 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     if any(w is not None for w in model.config.layer_windows):  # step 9: sliding layers get their own caches
         from minikv.hybrid import hybrid_cache
 
-        if quant or eviction:
-            raise ConfigError(f"a model with sliding-window layers runs on plain hybrid caches so far; drop "
-                              f"kv_dtype={kv_dtype!r} / eviction={eviction!r}")
-        return hybrid_cache(kind, model.config.layer_windows, args["num_kv_heads"], args["head_dim"], max_len,
-                            max_seqs, dtype)
+        full = None
+        if quant or kind in EVICTION_KINDS:  # step 9's combinations: a quantized or evicting cache of the full layers
+            extra = quant or dict(rope=(model.cos, model.sin, model.config.rope_layout), **(eviction or {}))
+            full = lambda n: spec.build({**args, "num_layers": n}, max_len, max_seqs, block_size, dtype, **extra)  # noqa: E731
+        elif eviction:
+            raise ConfigError(f"eviction options {sorted(eviction)} need an eviction cache kind {EVICTION_KINDS}")
+        return hybrid_cache("contiguous" if full else kind, model.config.layer_windows,
+                            args["num_kv_heads"], args["head_dim"], max_len, max_seqs, dtype, block_size=block_size,
+                            rollback=rollback, full_group=full)
     if kind in EVICTION_KINDS:  # (a quantized kv_dtype was refused above: it needs kind "paged")
         rope = (model.cos, model.sin, model.config.rope_layout)
         return spec.build(args, max_len, max_seqs, block_size, dtype, rope=rope, **(eviction or {}))
@@ -316,7 +323,7 @@ def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, cache: 
         check_context(model.config.max_position, prompt.size, max_new_tokens)
     rng = sampling.new_rng()
     kv = make_cache(cache, model, max_len=prompt.size + max_new_tokens, block_size=block_size, kv_dtype=kv_dtype,
-                    group=group, residual=residual, eviction=eviction)
+                    group=group, residual=residual, eviction=eviction, rollback=draft_len if speculative else 0)
     kv.add_sequence(0)
     if speculative is not None:
         _check_speculative(speculative, draft_len, sampling, spec, kv)

@@ -21,7 +21,7 @@ def make():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     yield module
-    for name in ("kit", "steps_1_4", "steps_5_8"):  # make.py put its own folder on sys.path
+    for name in ("kit", "steps_1_4", "steps_5_8", "step_9"):  # make.py put its own folder on sys.path
         sys.modules.pop(name, None)
 
 

@@ -113,11 +113,11 @@ def test_groups_follow_the_layer_pattern():
     assert layer_groups(model.config.layer_windows) == {4: [0, 1, 3, 4, 6], None: [2, 5]}
     cache = hybrid(model)
     assert [(layers, type(c).__name__) for layers, c in cache.groups] == [
-        ((0, 1, 3, 4, 6), "EvictingKVCache"), ((2, 5), "ContiguousKVCache")]
+        ((0, 1, 3, 4, 6), "SlidingRingKVCache"), ((2, 5), "ContiguousKVCache")]
     assert isinstance(hybrid_cache("contiguous", [None] * 3, 1, 4, 8), ContiguousKVCache)  # nothing slides
     assert type(hybrid_cache("none", [None] * 3, 1, 4)) is NoCache
-    with pytest.raises(ConfigError, match="paged"):
-        hybrid_cache("paged", model.config.layer_windows, 1, 10)
+    with pytest.raises(ConfigError, match="window"):
+        hybrid_cache("window", model.config.layer_windows, 1, 10)
 
 
 def test_a_sliding_group_stops_growing_at_its_window():

@@ -33,7 +33,7 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 REQUIRED = ["01_naive_attention.ipynb", "02_kv_cache.ipynb", "03_paged_attention.ipynb",
             "03b_continuous_batching.ipynb", "04_mla.ipynb", "05_quantization.ipynb", "06_window_eviction.ipynb",
-            "07_tiers_speculative.ipynb", "08_parallel.ipynb"]
+            "07_tiers_speculative.ipynb", "08_parallel.ipynb", "09_hybrid.ipynb"]
 IMPORTS_MINIKV = re.compile(r"^\s*(?:from|import)\s+minikv\b", re.M)
 
 

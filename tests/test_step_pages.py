@@ -1,4 +1,4 @@
-"""Every step page (docs/01..08_*.md and docs/zh/) is a lesson, in one shape (issue 21):
+"""Every step page (docs/01..09_*.md and docs/zh/) is a lesson, in one shape (issue 21):
 
 * the title carries the step number, and the page opens with its figure (docs/figures/, drawn by code);
 * it quotes its textbook lesson, and every quoted block is the live source (docs_site/lessons.py);
@@ -25,6 +25,8 @@ ORCA = "https://www.usenix.org/conference/osdi22/presentation/yu"
 FLASH_DECODING = "https://crfm.stanford.edu/2023/10/12/flashdecoding.html"
 ARC = "https://www.usenix.org/conference/fast-03/arc-self-tuning-low-overhead-replacement-cache"
 PROMPT_LOOKUP = "https://github.com/apoorvumang/prompt-lookup-decoding"
+VLLM_HYBRID = "https://docs.vllm.ai/en/latest/design/hybrid_kv_cache_manager/"
+VLLM_RFC = "https://github.com/vllm-project/vllm/issues/11382"
 STEPS = {  # step -> (page, lesson module, figure, primary sources: arXiv ids or official URLs)
     "1": ("01_naive_attention.md", "s1_attention", "01_recompute.svg", ["1706.03762", "1911.02150", "2305.13245"]),
     "2": ("02_kv_cache.md", "s2_kv_cache", "02_kv_cache.svg",
@@ -36,6 +38,7 @@ STEPS = {  # step -> (page, lesson module, figure, primary sources: arXiv ids or
     "7": ("07_tiers_speculative.md", "s7_rollback", "07_tiers_speculative.svg",
           [ARC, "2211.17192", "2302.01318", PROMPT_LOOKUP]),
     "8": ("08_parallel.md", "s8_heads", "08_parallel.svg", ["1909.08053", "2401.09670"]),
+    "9": ("09_hybrid.md", "s9_hybrid", "09_hybrid.svg", ["2503.19786", VLLM_HYBRID, VLLM_RFC]),
 }
 LANGS = {"en": (DOCS, "Step {n}", "## Checked by", "## References", "figures/"),
          "zh": (DOCS / "zh", "第 {n} 步", "## 测试清单", "## 参考文献", "../figures/")}

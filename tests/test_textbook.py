@@ -5,9 +5,10 @@
   lengths in one step, prefill, chunks, decodes) and must agree within 1e-12 relative
   (``rel_err``: max |a - b| / max |b|). Every pool of the lesson starts full of NaN.
 * SmolLM2: each lesson's ``main`` generates through the lesson and through the engine; the
-  greedy tokens must be identical (``model`` marker).
+  greedy tokens must be identical (``model`` marker; step 9 on Gemma-3-270M, ``gemma`` marker).
 * Form: every lesson runs as a module, stays within 200 lines of code and fences its new lines.
-* Mutations: a lesson with a wrong slot mapping, a missing mask or a ring without sinks must diverge.
+* Mutations: a lesson with a wrong slot mapping, a missing mask, a ring without sinks, a prefix hit that
+  copies no window or a ring without rollback slots must diverge.
 
 The exercises (exercises/README.md) run selections of these tests with the learner's function
 swapped into the lesson module, so the tests call lesson functions through their module
@@ -37,7 +38,8 @@ from minikv.textbook import s5_quant as s5
 from minikv.textbook import s6_window as s6
 from minikv.textbook import s7_rollback as s7
 from minikv.textbook import s8_heads as s8
-from minikv.weights.random_models import default_mla, random_mla_model, random_model
+from minikv.textbook import s9_hybrid as s9
+from minikv.weights.random_models import default_mla, random_gemma_model, random_mla_model, random_model
 from tests.test_layout import code_lines  # the one counter of code lines (DESIGN.md sizes)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -576,12 +578,150 @@ def test_s8_ranks_give_the_plain_models_greedy_tokens():
         assert s1.greedy(tp, tp, [3, 1, 4], 8) == plain
 
 
+# --- step 9 ----------------------------------------------------------------------------------------
+
+GEMMAS = {"mqa": dict(), "gqa": dict(num_heads=6, num_kv_heads=2, head_dim=6, hidden_size=30, num_layers=7)}
+
+
+@functools.cache
+def tiny_gemma(kind: str, window: int):
+    """A tiny Gemma-3-style hybrid (every 3rd layer full), float64."""
+    return random_gemma_model(sliding_window=window, dtype=np.float64, seed=window, **GEMMAS[kind])
+
+
+def hybrid_pair(model, rollback: int = 0, engine_kind: str = "contiguous", max_seqs: int = 3, **options):
+    from minikv.hybrid import hybrid_cache
+
+    c = model.config
+    mine = s9.HybridCache(c.layer_windows, c.num_kv_heads, c.head_dim, max_seqs, 40, rollback, np.float64)
+    for cache in mine.groups.values():
+        poison(cache.k, cache.v)
+    engine = hybrid_cache(engine_kind, c.layer_windows, c.num_kv_heads, c.head_dim, 40, max_seqs, np.float64,
+                          block_size=2, num_blocks=200, rollback=rollback, **options)
+    return mine, engine
+
+
+def test_s9_the_layer_pattern_and_what_each_layer_keeps():
+    from minikv.weights.gemma import gemma3_layer_types
+
+    windows = s9.layer_windows(18, 512)
+    assert [w is None for w in windows] == [t == "full_attention" for t in gemma3_layer_types(18)]
+    n = 32_768  # Gemma-3-270M at 32k: the hybrid cache against every layer sized full
+    assert sum(s9.kv_tokens(windows, n)) == 3 * n + 15 * 511
+    assert round(1 - sum(s9.kv_tokens(windows, n)) / sum(s9.kv_tokens([None] * 18, n)), 2) == 0.82
+    assert s9.kv_tokens(windows, 300) == [300] * 18  # below the window nothing is saved
+    model = tiny_gemma("gqa", 4)
+    c = model.config
+    for k in (0, 2):
+        mine, engine = hybrid_pair(model, rollback=k, max_seqs=1)
+        engine.add_sequence(0)
+        for n, step in enumerate(np.random.default_rng(k).integers(0, 97, (12, 1)), start=1):
+            model.forward([step], engine)
+            assert engine.bytes_used() == 2 * c.num_kv_heads * c.head_dim * 8 * sum(
+                s9.kv_tokens(c.layer_windows, n, k)), (k, n)
+
+
+@pytest.mark.parametrize("engine_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("window", [1, 3, 4, 12])
+@pytest.mark.parametrize("kind", list(GEMMAS))
+def test_s9_hybrid_cache_equals_the_engine(kind, window, engine_kind):
+    model = tiny_gemma(kind, window)
+    mine, engine = hybrid_pair(model, engine_kind=engine_kind)
+    run_both("s9", model, mine, engine, steps_for(model.config.vocab_size))
+    ring = mine.groups[window]
+    assert ring.k.shape[2] == window and (window > 11 or (ring.pos[ring.ring[2]] >= 0).all())  # wrapped
+
+
+def prefix_hit(model, mine, engine, h: int, tail: int):
+    """Sequence "a" runs h tokens; "b" = a's h tokens + ``tail`` more starts on a's prefix in both caches."""
+    rng = np.random.default_rng(h)
+    a, more = rng.integers(0, 97, h).tolist(), rng.integers(0, 97, tail).tolist()
+    mine.add_sequence("a")
+    engine.add_sequence("a", a)
+    check("s9", model.forward([a], mine, ["a"], all_logits=True), model.forward([a], engine, ["a"], all_logits=True))
+    assert mine.share_prefix("a", "b", h) and engine.add_sequence("b", a + more) == h
+    return a + more
+
+
+def test_s9_a_prefix_hit_needs_only_the_window_and_equals_the_engine():
+    from minikv.bench.equivalence import assert_close
+
+    model = tiny_gemma("gqa", 4)
+    mine, engine = hybrid_pair(model, engine_kind="paged", enable_prefix_caching=True)
+    b = prefix_hit(model, mine, engine, 12, 5)
+    ring = mine.groups[4]
+    assert not ring.holds("a", range(0, 12)) and ring.holds("a", s9.needed_for_hit(12, 4))  # the whole prefix: gone
+    got = model.forward([b[12:]], mine, ["b"], all_logits=True)
+    check("s9", got, model.forward([b[12:]], engine, ["b"], all_logits=True))
+    assert_close(got, model.logits(b)[12:], np.float64, what="after the hit vs one uncached pass")
+    assert not mine.share_prefix("a", "c", 6) and "c" not in mine.lens  # the ring no longer holds keys 3..5
+
+
+def test_s9_mutation_a_hit_that_copies_no_window_diverges(monkeypatch):
+    model = tiny_gemma("gqa", 4)
+    mine, engine = hybrid_pair(model, engine_kind="paged", enable_prefix_caching=True)
+    monkeypatch.setattr(s9, "needed_for_hit", lambda h, window: range(0 if window is None else h, h))
+    b = prefix_hit(model, mine, engine, 12, 3)
+    got = model.forward([b[12:]], mine, ["b"], all_logits=True)
+    assert rel_err(got, model.forward([b[12:]], engine, ["b"], all_logits=True)) > 1e-3
+
+
+def rollback_steps(model, mine, engine, k: int, seed: int) -> None:
+    """After the rings wrapped: verify-like steps of 1 + j tokens (j <= k), then j or fewer taken back."""
+    rng = np.random.default_rng(seed)
+    run_both("s9", model, mine, engine, [{0: rng.integers(0, 97, 9).tolist()}, {0: rng.integers(0, 97, 3).tolist()}])
+    for _ in range(6):
+        j = int(rng.integers(0, k + 1))
+        step = rng.integers(0, 97, 1 + j).tolist()
+        check("s9", model.forward([step], mine, [0], all_logits=True),
+              model.forward([step], engine, [0], all_logits=True))
+        back = int(rng.integers(0, j + 1)) if j < k else j  # take back the most at least once in a while
+        mine.truncate(0, mine.length(0) - back)
+        engine.truncate(0, engine.length(0) - back)
+
+
+@pytest.mark.parametrize("engine_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("window, k", [(2, 3), (4, 2), (5, 4)])
+def test_s9_rollback_of_up_to_k_after_the_ring_wrapped_equals_the_engine(window, k, engine_kind):
+    model = tiny_gemma("mqa", window)
+    mine, engine = hybrid_pair(model, rollback=k, engine_kind=engine_kind, max_seqs=1)
+    rollback_steps(model, mine, engine, k, seed=window + k)
+    assert mine.groups[window].k.shape[2] == window + k
+
+
+def test_s9_mutation_a_ring_without_rollback_slots_diverges():
+    model = tiny_gemma("mqa", 4)
+    mine, _ = hybrid_pair(model, rollback=0, max_seqs=1)  # W slots: taking back 2 loses a key the next query needs
+    _, engine = hybrid_pair(model, rollback=2, max_seqs=1)
+    for cache in (mine, engine):
+        cache.add_sequence(0)
+        model.forward([list(range(9, 21))], cache)
+        model.forward([[5, 6, 7]], cache)
+        cache.truncate(0, 13)
+    assert rel_err(model.forward([[8]], mine), model.forward([[8]], engine)) > 1e-3
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6], [9]])
+def test_s9_speculative_decoding_through_the_lesson_equals_greedy_and_the_engine(prompt):
+    from minikv.generate import generate
+
+    model = tiny_gemma("gqa", 3)
+    c = model.config
+    counting = CountingModel(model)
+    mine = s9.HybridCache(c.layer_windows, c.num_kv_heads, c.head_dim, 1, len(prompt) + 20, 4, np.float64)
+    got = s7.speculative_greedy(counting, mine, prompt, 20, draft_len=4)
+    ref = generate(model, prompt, 20, cache="contiguous", speculative="ngram", draft_len=4)
+    assert got == ref.token_ids == generate(model, prompt, 20, cache="none").token_ids
+    assert counting.passes == 1 + ref.speculative.steps
+
+
 # --- every lesson: SmolLM2, runs as a module, size and fences ---------------------------------------
 
 # s4 has no real MLA model here (its module run below uses a random one); s3 runs as a module below and s8
 # against the engine's own two ranks: the other lessons through their main(), 8 new tokens each.
 @pytest.mark.model
-@pytest.mark.parametrize("lesson", [name for name in LESSONS if name not in ("s3_paged", "s4_mla", "s8_heads")])
+@pytest.mark.parametrize("lesson", [name for name in LESSONS
+                                    if name not in ("s3_paged", "s4_mla", "s8_heads", "s9_hybrid")])
 def test_smollm2_greedy_tokens_equal_the_engine(smollm2, lesson):
     import importlib
 
@@ -600,6 +740,13 @@ def test_smollm2_s8_over_two_ranks_equals_the_engines_two_ranks(smollm2):
     tp = s8.TensorParallel(model, 2, len(ids) + 8)
     ranks = run_ranks(2, lambda comm: generate(ParallelModel(model, tp=2, comm=comm), ids, 8).token_ids)
     assert s1.greedy(tp, tp, ids, 8) == ranks[0] == ranks[1]
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+def test_gemma3_s9_speculative_tokens_past_the_window_equal_the_engine(gemma3):
+    mine, ref = s9.main(8)
+    assert mine == ref and all(len(ids) == 8 for ids in mine), (mine, ref)
 
 
 def test_s4_runs_as_a_module_on_its_random_model():

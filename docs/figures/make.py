@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # kit and the step modules; this checkout's minikv
 
+import step_9  # noqa: E402
 import steps_1_4  # noqa: E402
 import steps_5_8  # noqa: E402
 from kit import plt, save  # noqa: E402
@@ -32,6 +33,7 @@ FIGURES = {  # file name -> the function that draws it
     "06_window.svg": steps_5_8.fig_window,
     "07_tiers_speculative.svg": steps_5_8.fig_tiers,
     "08_parallel.svg": steps_5_8.fig_parallel,
+    "09_hybrid.svg": step_9.fig_hybrid,
 }
 
 

