@@ -155,10 +155,11 @@ class HybridKVCache(KVCacheBase):
         cache.write(j, k, v)
         self._written.add(layer)
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
         self._check_layer(layer)
         cache, j = self._where[layer]
-        return cache.attend(j, q)
+        return cache.attend(j, q, sinks=sinks, softcap=softcap)
 
     # -- memory -------------------------------------------------------------------------------------
     def bytes_allocated(self) -> int:
