@@ -19,18 +19,21 @@ def add_plan_flags(p) -> None:
     g.add_argument("--kv", choices=sorted(KV_ITEMSIZE), default="bf16", help="KV dtype for --model (default bf16)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per block for --model (default 16)")
     g.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
-    g.add_argument("--kv-budget", default="80GB", help="KV memory budget, e.g. 80GB or 24GiB (default 80GB)")
+    g.add_argument("--kv-budget", type=float, default=80.0, help="KV memory budget in GB (1e9 bytes; default 80)")
     g.add_argument("--sequences", type=int, default=1, help="concurrency N for the longest-context answer")
 
 
 def run_plan(args) -> int:
-    from minikv.costs.planner import KV_ITEMSIZE, budget_bytes, plan_from_path
-    from minikv.errors import check_int
+    from minikv.costs.planner import KV_ITEMSIZE, plan_from_path
+    from minikv.errors import MinikvError, check_int
 
-    plan = plan_from_path(args.model)
+    try:
+        plan = plan_from_path(args.model)
+    except MinikvError as e:  # one line naming the flag that gave the path
+        raise type(e)(f"--model {args.model}: {e}") from e
     size, bs = KV_ITEMSIZE[args.kv], check_int("--block-size", args.block_size)
     ctx = plan.max_position if args.context is None else check_int("--context", args.context)
-    budget, n = budget_bytes(args.kv_budget), check_int("--sequences", args.sequences)
+    budget, n = int(args.kv_budget * 1e9), check_int("--sequences", args.sequences)
     per_layer, full = plan.bytes_per_sequence(ctx, size, bs), plan.bytes_per_sequence(ctx, size, bs, all_full=True)
     rep = {"model": plan.name, "source": plan.source, "kv_dtype": args.kv, "block_size": bs, "context": ctx,
            "layers": {k: {"count": c, "bytes_per_token": b} for k, (c, b) in plan.by_type(size).items()},

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, check_int
+from minikv.errors import ModelFileNotFoundError, ModelFormatError
 
 KV_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -154,20 +154,6 @@ def _plan_from_gguf(path: Path) -> KVPlan:
            "max_position_embeddings": int(g("context_length", 4096)), "sliding_window": g("attention.sliding_window"),
            "model_type": "gemma3" if arch == "gemma3" else arch}
     return plan_from_config(cfg, str(path))
-
-
-def budget_bytes(text: str) -> int:
-    """'80GB', '24GiB', '512MiB' or a byte count -> bytes (ConfigError naming the value otherwise)."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-             "TIB": 2**40}
-    s = str(text).strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(f"budget {text!r}: give bytes or a number with GB, GiB, MB, MiB, TB or TiB") from None
-    return check_int("budget", int(value))
 
 
 def _preset(name, source, **cfg) -> KVPlan:
