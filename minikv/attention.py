@@ -117,7 +117,7 @@ def attention_weights(q: np.ndarray, k: np.ndarray, causal: bool = True) -> np.n
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = True,
-                     check: bool = True) -> np.ndarray:
+                     check: bool = True, sinks: np.ndarray | None = None, softcap: float | None = None) -> np.ndarray:
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
 
         out = softmax(q k^T / sqrt(D) + mask) v
@@ -133,9 +133,10 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool =
     which walks tiles of queries and keys and skips the keys a tile cannot see
     (about half of a causal T x T square), keeping each tile's scores in the CPU
     cache. The result is the same up to float rounding; only the order of work changes.
+    Learned ``sinks`` [Hq] and ``softcap`` (``minikv.online_softmax``'s options) take that path too.
     """
     if check:
         check_qkv(q, k, v)
-    if causal and q.shape[-2] > online_softmax.QUERY_TILE:
-        return online_softmax.attend_contiguous(q, k, v)
+    if causal and (q.shape[-2] > online_softmax.QUERY_TILE or sinks is not None or softcap is not None):
+        return online_softmax.attend_contiguous(q, k, v, sinks=sinks, softcap=softcap)
     return (_grouped_probs(q, k, causal) @ v).reshape(q.shape)  # [..., Hkv, G*T, D] -> [..., Hq, T, D]

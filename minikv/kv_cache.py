@@ -32,6 +32,7 @@ Two implementations live here:
 from __future__ import annotations
 
 import functools
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -42,6 +43,7 @@ from minikv import online_softmax
 from minikv.attention import causal_attention
 from minikv.errors import (
     CacheFullError,
+    ConfigError,
     DTypeError,
     InvalidInputError,
     RollbackError,
@@ -119,9 +121,19 @@ def _records_write(fn):
 
 
 def _after_write(fn):
-    """Wrap a cache's ``attend``: a layer that has not written in the open step may not attend."""
+    """Wrap a cache's ``attend``: a layer that has not written in the open step may not attend.
+
+    The score options of ``minikv.online_softmax`` (``sinks=``, ``softcap=``: gpt-oss, Gemma 2) reach
+    only caches whose own ``attend`` names them; any other cache refuses them with a ConfigError
+    naming itself, rather than attending without them (plausible text, wrong logits)."""
+    takes_options = "sinks" in inspect.signature(fn).parameters
+
     @functools.wraps(fn)
     def attend(self, layer, *args, **kwargs):
+        if not takes_options and any(kwargs.get(o) is not None for o in ("sinks", "softcap")):
+            raise ConfigError(f"{type(self).__name__} does not apply learned sinks or logit soft-capping; this "
+                              "model needs them: use a contiguous, paged or hybrid cache (or 'none')")
+        kwargs = kwargs if takes_options else {k: v for k, v in kwargs.items() if k not in ("sinks", "softcap")}
         if self._step is not None:
             self._check_layer(layer)
             if layer not in self._written:
@@ -336,7 +348,8 @@ class NoCache(KVCacheBase):
         self._check_rows("v", v, self.num_kv_heads)
         self._k[layer], self._v[layer] = k, v
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
         self._check_layer(layer)
         step = self._require_step()
         if self._k[layer] is None:
@@ -347,7 +360,7 @@ class NoCache(KVCacheBase):
             qi = q[r].transpose(1, 0, 2)  # [Hq, T, D]
             ki = self._k[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)  # [Hkv, T, D]
             vi = self._v[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)
-            out[r] = causal_attention(qi, ki, vi, check=False).transpose(1, 0, 2)
+            out[r] = causal_attention(qi, ki, vi, check=False, sinks=sinks, softcap=softcap).transpose(1, 0, 2)
         return out
 
 
@@ -431,7 +444,9 @@ class ContiguousKVCache(KVCacheBase):
             self.k[layer, slot, :, p:p + t] = k[r].transpose(1, 0, 2)  # [T, Hkv, D] -> [Hkv, T, D]
             self.v[layer, slot, :, p:p + t] = v[r].transpose(1, 0, 2)
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
+        """q: [N, Hq, D] -> [N, Hq, D]; sinks [Hq] and softcap: ``minikv.online_softmax``'s options."""
         step = self._check_query(layer, q)
         out = np.empty_like(q)
         for i, sid in enumerate(step.seq_ids):
@@ -439,7 +454,8 @@ class ContiguousKVCache(KVCacheBase):
             s = int(step.past[i] + step.num_new[i])  # history including this step's tokens
             k = self.k[layer, slot, :, :s].astype(q.dtype, copy=False)  # [Hkv, S, D]
             v = self.v[layer, slot, :, :s].astype(q.dtype, copy=False)
-            out[r] = online_softmax.attend_contiguous(q[r].transpose(1, 0, 2), k, v).transpose(1, 0, 2)
+            out[r] = online_softmax.attend_contiguous(q[r].transpose(1, 0, 2), k, v, sinks=sinks,
+                                                     softcap=softcap).transpose(1, 0, 2)
         return out
 
     # -- memory -----------------------------------------------------------------------

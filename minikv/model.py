@@ -32,176 +32,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_float, check_int
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice
 from minikv.hybrid.cache import LAYER_TYPES, check_layer_types, hybrid_cache, layer_windows  # noqa: F401
 from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
-from minikv.mla.block import MLALayer, MLALayerWeights, mla_attention_block, mla_weight_shapes
-from minikv.mla.latent import LatentUp, MLAConfig
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Everything that defines the architecture (one dataclass, nanoGPT style).
-
-    rope_layout says how the two halves of each rotated pair sit in a head:
-      * "interleaved": pairs are adjacent dims (0,1), (2,3), ... — GGUF/llama.cpp;
-      * "half": pairs are (i, i + D/2) — transformers' ``rotate_half``.
-    The two are the same model up to a permutation of the Q/K weight rows
-    (``minikv.weights.gguf.permute_qk`` converts); mixing them up gives plausible but wrong text.
-
-    mla: the MLA geometry of a DeepSeek-V2/V3 model (None: Llama GQA). Then num_kv_heads and
-    head_dim describe what is cached, the absorbed form's geometry: MQA over one latent "head"
-    of width r + dr, so num_kv_heads = 1 and head_dim = ``mla.latent_dim`` (the per-head
-    query/key width Dn + dr is ``mla.qk_head_dim``). Caches and the scheduler check it unchanged.
-
-    The per-layer and Gemma options (see the module docstring) default to a Llama:
-    layer_types:           None (all "full_attention") or one of ``minikv.hybrid.LAYER_TYPES`` per layer
-    sliding_window:        W, needed when a layer slides: its query t sees keys t - W + 1 .. t
-    sliding_rope_theta:    RoPE base of the sliding layers (None: ``rope_theta``, which the full ones use)
-    hidden_act:            the gated MLP's activation, a key of ``minikv.layers.ACTIVATIONS``
-    qk_norm, sandwich_norms: the extra RMSNorms (their weights are then required, see ``LayerWeights``)
-    embed_scale:           the embedding is multiplied by it (Gemma: sqrt(hidden_size))
-    query_pre_attn_scalar: scores are q . k / sqrt(this) (None: head_dim)
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_layout: str = "half"
-    rms_eps: float = 1e-5
-    max_position: int = 8192
-    tie_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    mla: MLAConfig | None = None
-    layer_types: tuple | None = None
-    sliding_window: int | None = None
-    sliding_rope_theta: float | None = None
-    hidden_act: str = "silu"
-    qk_norm: bool = False
-    sandwich_norms: bool = False
-    embed_scale: float = 1.0
-    query_pre_attn_scalar: float | None = None
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
-            check_int(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.mla is not None:
-            if (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
-                raise ConfigError(f"an MLA model caches one latent head: num_kv_heads = 1, head_dim = kv_lora_rank + "
-                                  f"qk_rope_head_dim = {self.mla.latent_dim}; got {(self.num_kv_heads, self.head_dim)}")
-        elif self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
-        check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
-        check_choice("hidden_act", self.hidden_act, tuple(ACTIVATIONS))
-        for name in ("rope_theta", "rms_eps", "embed_scale", "sliding_rope_theta", "query_pre_attn_scalar"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, check_float(name, getattr(self, name)))
-
-        object.__setattr__(self, "layer_types", check_layer_types(self.layer_types, self.num_layers,
-                                                                  self.sliding_window))
-        if self.mla is not None and ("sliding_attention" in self.layer_types or self.qk_norm or self.sandwich_norms):
-            raise ConfigError("an MLA model with sliding_attention layers, qk_norm or sandwich_norms: minikv's MLA "
-                              "block has none of them (use full_attention layers and leave the two flags False)")
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def layer_windows(self) -> tuple:
-        """[L] each layer's window W, or None for a full-attention layer (what ``minikv.hybrid`` groups by)."""
-        return layer_windows(self.layer_types, self.sliding_window)
-
-    @property
-    def rope_thetas(self) -> dict:
-        """{layer type: RoPE base} for the layer types this model has."""
-        sliding = self.rope_theta if self.sliding_rope_theta is None else self.sliding_rope_theta
-        return {t: sliding if t == "sliding_attention" else self.rope_theta for t in dict.fromkeys(self.layer_types)}
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer. Matrices are stored [in, out] so a layer computes ``x @ W``."""
-
-    attn_norm: np.ndarray  # [H]
-    wq: np.ndarray         # [H, Hq*D]
-    wk: np.ndarray         # [H, Hkv*D]
-    wv: np.ndarray         # [H, Hkv*D]
-    wo: np.ndarray         # [Hq*D, H]
-    mlp_norm: np.ndarray   # [H]
-    w_gate: np.ndarray     # [H, I]
-    w_up: np.ndarray       # [H, I]
-    w_down: np.ndarray     # [I, H]
-    q_norm: np.ndarray | None = None          # [D] QK-norm (config.qk_norm), shared by every query head
-    k_norm: np.ndarray | None = None          # [D] and by every key head
-    post_attn_norm: np.ndarray | None = None  # [H] sandwich norms (config.sandwich_norms): on the attention
-    post_mlp_norm: np.ndarray | None = None   # [H] and the MLP branch's output, before the residual add
-
-
-@dataclass
-class ModelWeights:
-    embed: np.ndarray                   # [V, H]
-    layers: list[LayerWeights]
-    final_norm: np.ndarray              # [H]
-    lm_head: np.ndarray | None = None   # [V, H]; None means tied to ``embed``
-
-    def astype(self, dtype) -> "ModelWeights":
-        cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)  # noqa: E731
-        return ModelWeights(
-            embed=cast(self.embed),
-            layers=[type(lw)(**{k: cast(v) for k, v in vars(lw).items()}) for lw in self.layers],
-            final_norm=cast(self.final_norm),
-            lm_head=cast(self.lm_head),
-        )
-
-
-def expected_shapes(cfg: ModelConfig) -> dict:
-    """The shape every layer weight must have under ``cfg`` (used to validate loaded files);
-    optional weights absent under ``cfg`` map to None and must be None."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    if cfg.mla is not None:
-        return mla_weight_shapes(h, i, cfg.num_heads, cfg.mla)[0]
-    return {
-        "attn_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
-        "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "mlp_norm": (h,),
-        "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
-        "q_norm": (d,) if cfg.qk_norm else None, "k_norm": (d,) if cfg.qk_norm else None,
-        "post_attn_norm": (h,) if cfg.sandwich_norms else None, "post_mlp_norm": (h,) if cfg.sandwich_norms else None,
-    }
-
-
-def check_weights(cfg: ModelConfig, w: ModelWeights) -> None:
-    """Raise ShapeError naming the first weight whose shape does not match ``cfg``."""
-    v, h = cfg.vocab_size, cfg.hidden_size
-    if w.embed.shape != (v, h):
-        raise ShapeError(f"embed.shape={w.embed.shape}, expected [vocab, hidden] = {(v, h)}")
-    if len(w.layers) != cfg.num_layers:
-        raise ShapeError(f"{len(w.layers)} layers of weights for num_layers={cfg.num_layers}")
-    want = expected_shapes(cfg)
-    kind = LayerWeights if cfg.mla is None else MLALayerWeights
-    biases = mla_weight_shapes(h, cfg.intermediate_size, cfg.num_heads, cfg.mla)[1] if cfg.mla else {}
-    for li, lw in enumerate(w.layers):
-        if not isinstance(lw, kind):
-            raise ShapeError(f"layers[{li}] is a {type(lw).__name__}; this config needs {kind.__name__}")
-        for name, shape in {**want, **biases}.items():
-            got = getattr(lw, name)
-            got = None if got is None else got.shape
-            if got != shape and not (name in biases and got is None):
-                raise ShapeError(f"layers[{li}].{name}.shape={got}, expected {shape}")
-    if w.final_norm.shape != (h,):
-        raise ShapeError(f"final_norm.shape={w.final_norm.shape}, expected {(h,)}")
-    if w.lm_head is not None and w.lm_head.shape != (v, h):
-        raise ShapeError(f"lm_head.shape={w.lm_head.shape}, expected {(v, h)}")
-
+from minikv.mla.block import MLALayer, mla_attention_block
+from minikv.mla.latent import LatentUp
+from minikv.model_config import LayerWeights, ModelConfig, ModelWeights, check_weights, expected_shapes  # noqa: F401  (re-exported: the config and weights live there)
+from minikv.moe import MoEConfig, MoEWeights, moe_mlp  # noqa: F401
+from minikv.online_softmax import soft_cap
 
 # --- the model -----------------------------------------------------------------------------
 
@@ -221,24 +59,30 @@ class _FusedLayer:
     wqkv_t: np.ndarray       # [(Hq + 2 Hkv) * D, H]
     wo_t: np.ndarray         # [H, Hq * D]
     mlp_norm: np.ndarray
-    w_gate_up_t: np.ndarray  # [2 I, H]
-    w_down_t: np.ndarray     # [H, I]
+    w_gate_up_t: np.ndarray | None  # [2 I, H]  (None: the layer's MLP is ``moe``)
+    w_down_t: np.ndarray | None     # [H, I]
     qk_norm: np.ndarray | None = None         # [Hq + Hkv, D]: q_norm for each query head, then k_norm per key head
     q_scale: np.floating | None = None        # sqrt(D / query_pre_attn_scalar), when that is not 1
     post_attn_norm: np.ndarray | None = None  # [H]
     post_mlp_norm: np.ndarray | None = None   # [H]
+    bqkv: np.ndarray | None = None            # [(Hq + 2 Hkv) * D]  the Q/K/V biases, fused as the matrix is
+    bo: np.ndarray | None = None              # [H]
+    sinks: np.ndarray | None = None           # [Hq]
+    moe: MoEWeights | None = None             # the mixture-of-experts MLP (then w_gate_up_t is None)
 
     @classmethod
-    def prepare(cls, lw: LayerWeights, cfg: ModelConfig) -> "_FusedLayer":
+    def prepare(cls, lw: LayerWeights, cfg: ModelConfig, moe: MoEWeights | None = None) -> "_FusedLayer":
         """Fuse and transpose one layer's weights (already in the compute dtype)."""
         t, dtype = np.ascontiguousarray, lw.wq.dtype.type
         qk_norm = None if lw.q_norm is None else t(np.concatenate([np.tile(lw.q_norm, (cfg.num_heads, 1)),
                                                                      np.tile(lw.k_norm, (cfg.num_kv_heads, 1))]))
         s = cfg.query_pre_attn_scalar
         q_scale = None if s is None or s == cfg.head_dim else dtype(np.sqrt(cfg.head_dim / s))
+        dense = lw.w_gate is not None
         return cls(lw.attn_norm, t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1).T), t(lw.wo.T), lw.mlp_norm,
-                   t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T), qk_norm, q_scale,
-                   lw.post_attn_norm, lw.post_mlp_norm)
+                   t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T) if dense else None,
+                   t(lw.w_down.T) if dense else None, qk_norm, q_scale, lw.post_attn_norm, lw.post_mlp_norm,
+                   None if lw.bq is None else np.concatenate([lw.bq, lw.bk, lw.bv]), lw.bo, lw.sinks, moe)
 
 
 def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li: int,
@@ -254,7 +98,10 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     """
     n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
-    qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
+    qkv = h @ lw.wqkv_t.T
+    if lw.bqkv is not None:  # Qwen2, gpt-oss: the bias lands before RoPE, so the cached key carries it
+        qkv = qkv + lw.bqkv
+    qkv = qkv.reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
     qk = qkv[:, : hq + hkv]
     if cfg.qk_norm:  # Gemma-3: RMSNorm over D in every q and k head, before RoPE
         qk = rms_norm(qk, lw.qk_norm, cfg.rms_eps)
@@ -264,17 +111,27 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     if lw.q_scale is not None:  # every cache scales scores by 1/sqrt(D); the model wants 1/sqrt(query_pre_attn_scalar)
         q = q * lw.q_scale
     cache.write(li, k, v)
-    attn = cache.attend(li, q)  # [N, Hq, D]
+    options = {}  # gpt-oss's sinks, Gemma 2's cap: inside the cache's online softmax (only a cache that takes them)
+    if lw.sinks is not None:
+        options["sinks"] = lw.sinks
+    if cfg.attn_softcap is not None:
+        options["softcap"] = cfg.attn_softcap
+    attn = cache.attend(li, q, **options)  # [N, Hq, D]
     out = attn.reshape(n, hq * d) @ lw.wo_t.T
+    if lw.bo is not None:
+        out = out + lw.bo
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
 def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     """A layer's gated MLP branch: x [N, H] -> [N, H] = (act(h Wg) * h Wu) Wd, h = RMSNorm(x).
 
-    act is SiLU (SwiGLU) or the tanh GELU (GeGLU, Gemma): ``cfg.hidden_act``.
+    act is SiLU (SwiGLU) or the tanh GELU (GeGLU, Gemma): ``cfg.hidden_act``. A mixture-of-experts
+    layer (``lw.moe``) runs ``minikv.moe.moe_mlp`` on h instead.
     """
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
+    if getattr(lw, "moe", None) is not None:
+        return moe_mlp(h, lw.moe, cfg.moe)
     gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
     i = cfg.intermediate_size
     out = (ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T
@@ -304,8 +161,9 @@ class Model:
         self.lm_head = w.embed if w.lm_head is None else w.lm_head
         self.final_norm = w.final_norm
         c = self.config
+        moes = w.moe or [None] * c.num_layers
         if c.mla is not None:
-            self._layers = [MLALayer.prepare(lw) for lw in w.layers]
+            self._layers = [MLALayer.prepare(lw, m) for lw, m in zip(w.layers, moes)]
             self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w.layers]
             self._attention = mla_attention_block
             self.cos, self.sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, self.dtype,
@@ -313,9 +171,9 @@ class Model:
             self.rope = {"full_attention": (self.cos, self.sin)}
             return
         self._attention = attention_block
-        self._layers = [_FusedLayer.prepare(lw, c) for lw in w.layers]
+        self._layers = [_FusedLayer.prepare(lw, c, m) for lw, m in zip(w.layers, moes)]
         # one RoPE table per layer type; ``cos``/``sin`` name the full layers' (else the only one)
-        self.rope = {kind: rope_tables(c.head_dim, c.max_position, theta, self.dtype)
+        self.rope = {kind: rope_tables(c.head_dim, c.max_position, theta, self.dtype, yarn=c.rope_scaling)
                      for kind, theta in c.rope_thetas.items()}
         self.cos, self.sin = self.rope.get("full_attention", self.rope[c.layer_types[0]])
 
@@ -421,6 +279,8 @@ class Model:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]
             logits = rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head.T
+            if c.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+                logits = soft_cap(logits, c.final_softcap)
             if then is not None:
                 then(logits)
         assert logits.dtype == self.dtype, logits.dtype  # no silent float64 promotion

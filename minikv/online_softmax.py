@@ -27,6 +27,19 @@ Masked keys score -inf. Two traps are handled here, once:
 * a masked slot may hold stale memory, even NaN (a paged pool's partly filled last
   block). Its probability is 0, but ``0 * NaN = NaN``, so a value row that no query of
   the tile may see is *selected* away, never multiplied by 0.
+
+Two options some model families need (data in ``minikv.model.ModelConfig``, passed down by the caches):
+
+* **learned sinks** (gpt-oss): one logit ``sink_h`` per query head that joins the softmax
+  denominator and carries no value, ``out = sum_j e^{s_j} V_j / (e^{sink} + sum_j e^{s_j})``.
+  It is a state that has already seen one key of score ``sink`` and value 0:
+  ``start(..., sinks=sink)`` gives ``m = sink, l = 1, acc = 0``, and everything else is unchanged
+  (a split-K merge counts it once if exactly one partial starts from it). Unlike StreamingLLM's sink
+  *tokens*, nothing is cached for it.
+* **tanh soft-capping** (Gemma 2): ``s = cap * tanh(s / cap)`` on each raw score, before the max.
+  It must happen per tile, inside the loop: capping changes which score is the max and every
+  exponent, so it cannot be applied to a finished output. ``update(..., softcap=cap)``; masked
+  keys stay -inf (capping them would give them ``-cap``: a visible key).
 """
 
 from __future__ import annotations
@@ -59,11 +72,30 @@ class State:
         self.m[rows], self.l[rows], self.acc[rows] = other.m, other.l, other.acc
 
 
-def start(shape: tuple, head_dim: int, dtype=np.float32) -> State:
-    """The empty state: m = -inf, l = 0, acc = 0, for query rows of ``shape``."""
+def start(shape: tuple, head_dim: int, dtype=np.float32, sinks: np.ndarray | None = None) -> State:
+    """The empty state: m = -inf, l = 0, acc = 0, for query rows of ``shape``.
+
+    sinks: learned sink logits broadcastable to ``shape`` (the caller lays one per query head out
+           in its own row order): then m = sink, l = 1, acc = 0, as if one key of score ``sink``
+           and value 0 had been seen.
+    """
     shape = tuple(shape)
-    return State(np.full(shape, -np.inf, dtype=dtype), np.zeros(shape, dtype=dtype),
-                 np.zeros(shape + (int(head_dim),), dtype=dtype))
+    acc = np.zeros(shape + (int(head_dim),), dtype=dtype)
+    if sinks is None:
+        return State(np.full(shape, -np.inf, dtype=dtype), np.zeros(shape, dtype=dtype), acc)
+    m = np.array(np.broadcast_to(np.asarray(sinks, dtype=dtype), shape))  # a writable copy
+    return State(m, np.ones(shape, dtype=dtype), acc)
+
+
+def soft_cap(scores: np.ndarray, cap: float | None, out: np.ndarray | None = None) -> np.ndarray:
+    """cap * tanh(scores / cap) (Gemma 2), or ``scores`` unchanged for cap None. -inf stays -inf."""
+    if cap is None:
+        return scores
+    c = scores.dtype.type(cap)  # a scalar of the scores' dtype: float32 math stays float32
+    masked = np.isneginf(scores)
+    out = np.multiply(np.tanh(np.divide(scores, c, out=out), out=out), c, out=out)
+    np.copyto(out, -np.inf, where=masked)
+    return out
 
 
 def _shift(m: np.ndarray) -> np.ndarray:
@@ -76,7 +108,7 @@ def _shift(m: np.ndarray) -> np.ndarray:
 
 
 def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarray | None = None,
-           overwrite: bool = False) -> State:
+           overwrite: bool = False, softcap: float | None = None) -> State:
     """Fold one tile of keys into ``state`` (in place) and return it.
 
     scores:    [..., Q, K]  already scaled (q . k / sqrt(D)); state.m is [..., Q]
@@ -87,10 +119,13 @@ def update(state: State, scores: np.ndarray, values: np.ndarray, mask: np.ndarra
     overwrite: ``scores`` is the caller's scratch: mask, shift and exponentiate it in place (its contents
                are garbage afterwards). It saves two [Q, K] copies per tile: about 12% of a 512-token
                contiguous prefill's attention (benchmarks/results/fast_paths.json; decode: no change)
+    softcap:   cap the raw scores, ``cap * tanh(s / cap)``, before the max (module docstring)
     """
     if scores.shape[-1] != values.shape[-2]:
         raise ShapeError(f"scores.shape={scores.shape} and values.shape={values.shape}: "
                          "the key axes (scores[-1], values[-2]) must match")
+    if softcap is not None:
+        scores, overwrite = soft_cap(scores, softcap, out=scores if overwrite else None), True
     if mask is not None:
         if overwrite:
             np.copyto(scores, -np.inf, where=~mask)
@@ -123,13 +158,22 @@ def finish(state: State) -> np.ndarray:
     return state.acc / np.maximum(state.l, np.finfo(state.l.dtype).tiny)[..., None]
 
 
+def sink_rows(sinks: np.ndarray | None, hkv: int, g: int, t: int) -> np.ndarray | None:
+    """[Hq] sink logits laid out as the grouped rows of a KV head: [Hkv, G*T], row g*T + i is
+    query head h*G + g (the layout of ``attend_contiguous`` and ``minikv.window.ring.attend_slots``)."""
+    if sinks is None:
+        return None
+    return np.repeat(np.asarray(sinks).reshape(hkv, g), t, axis=1)
+
+
 # --- one driver: causal attention over a contiguous history, tile by tile --------------------
 
 QUERY_TILE = 64        # query rows per tile of a long causal input (a prefill)
 SCORE_BUDGET = 1 << 20  # score elements held at once (4 MiB in float32): sets the key tile
 
 
-def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int | None = None) -> np.ndarray:
+def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int | None = None,
+                      sinks: np.ndarray | None = None, softcap: float | None = None) -> np.ndarray:
     """Causal GQA attention of the T newest queries over a contiguous K/V history, a key tile at a time.
 
     q: [..., Hq, T, D], k/v: [..., Hkv, S, D] with S >= T; query t sits at position S - T + t
@@ -139,7 +183,8 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
     Queries go in tiles of ``QUERY_TILE``; a tile reads only the keys it can see (a causal
     prefill skips about half of the T x S square), ``key_tile`` keys at a time (default: as many
     as keep ``SCORE_BUDGET`` scores in hand, so a decode step is one tile up to long contexts).
-    Only tiles that cross the diagonal carry a mask.
+    Only tiles that cross the diagonal carry a mask. ``sinks`` ([Hq] learned sink logits) and
+    ``softcap`` are the options of the module docstring.
     """
     *batch, hq, t, d = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
@@ -153,7 +198,7 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
         rows = g * (t1 - t0)  # a KV head's query rows in this tile: row g*Tq + i is head g, query t0 + i
         qt = qg[..., t0:t1, :].reshape(*batch, hkv, rows, d)  # one GEMM per KV head serves its whole group
         tile = key_tile or max(QUERY_TILE, SCORE_BUDGET // (heads * (t1 - t0)))
-        state = start(qt.shape[:-1], d, q.dtype)
+        state = start(qt.shape[:-1], d, q.dtype, sink_rows(sinks, hkv, g, t1 - t0))
         end = s - t + t1  # keys 0 .. end - 1 are all this tile may see
         for k0 in range(0, end, tile):
             k1 = min(k0 + tile, end)
@@ -162,6 +207,6 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
             if k1 - 1 > s - t + t0:
                 pos = np.tile(np.arange(s - t + t0, s - t + t1), g)  # [rows] position of each row
                 mask = np.arange(k0, k1)[None, :] <= pos[:, None]
-            update(state, scores, v[..., k0:k1, :], mask, overwrite=True)
+            update(state, scores, v[..., k0:k1, :], mask, overwrite=True, softcap=softcap)
         out[..., t0:t1, :] = finish(state).reshape(*batch, hkv, g, t1 - t0, d)
     return out.reshape(q.shape)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import kv_cache as _cpu
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_float
 from minikv.kv_cache import Step
 from minikv_gpu import versions
 from minikv_gpu.attention import causal_attention  # NoCache: step 1's attention is its whole data path
@@ -163,11 +163,13 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
              (k, v, self.k, self.v, self._dev["slot"], self._dev["pos"], np.int32(layer), np.int32(n),
               np.int32(self.num_kv_heads), np.int32(self.max_seqs), np.int32(self.max_len)))
 
-    def attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None):
+    def attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None,
+               sinks=None, softcap: float | None = None):
         """Attention of the step's queries over each sequence's cached history (this step's rows
         included, causally). q: [N, Hq, D] float32 -> [N, Hq, D] float32. ``version`` and
-        ``num_splits`` override the cache's for this call."""
-        return self.prepare_attend(layer, q, version=version, num_splits=num_splits)()
+        ``num_splits`` override the cache's for this call. ``sinks`` ([Hq] learned sink logits) and
+        ``softcap`` are ``minikv.online_softmax``'s options; versions 1 and 2 take them."""
+        return self.prepare_attend(layer, q, version=version, num_splits=num_splits, sinks=sinks, softcap=softcap)()
 
     def rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *, version: int | None = None,
                           num_splits: int | None = None):
@@ -184,14 +186,23 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         return out
 
     # -- launches prepared once, for timing ------------------------------------------------
-    def prepare_attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None):
+    def prepare_attend(self, layer: int, q, *, version: int | None = None, num_splits: int | None = None,
+                       sinks=None, softcap: float | None = None):
         """Validate ``attend``'s arguments and allocate its buffers; return ``launch()``, which runs
         the kernel(s) and returns the output array (the same array every call). Benchmarks time
         ``launch`` alone, without Python-side checks and allocations. ``launch.version``,
         ``launch.splits`` and ``launch.keys_per_split`` say what was chosen."""
         self._check_layer(layer)
         q = self._check_query(q)
-        return self._plan_attention("decode_attention", layer, q, (), version, num_splits)
+        options = None
+        if sinks is not None or softcap is not None:
+            hq = q.shape[1]
+            if getattr(sinks, "shape", (hq,)) != (hq,):
+                raise ShapeError(f"sinks.shape={sinks.shape}, expected one logit per query head: ({hq},)")
+            cap = 0.0 if softcap is None else check_float("softcap", softcap)
+            dev = device_f32(self.rt, np.zeros(hq, np.float32) if sinks is None else sinks, "sinks")
+            options = (dev, np.int32(sinks is not None), np.float32(cap))
+        return self._plan_attention("decode_attention", layer, q, (), version, num_splits, options)
 
     def prepare_rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *,
                                   version: int | None = None, num_splits: int | None = None):
@@ -239,11 +250,14 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
         return -(-max_keys // per), per
 
-    def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool) -> tuple[int, int, int]:
+    def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool,
+                options: bool = False) -> tuple[int, int, int]:
         """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
         automatic); v3/v4 (decode steps; ``versions.choose_version``) split by ``versions.split_plan``;
         None without them: v2 when the split count comes out above 1."""
         refusal = versions.decode_refusal(group, self.head_dim, self._dev["decode"], fused)
+        if options:
+            refusal = ConfigError, "learned sinks and soft-capping run in versions 1 and 2 (3 and 4 do not take them)"
         version = versions.choose_version(version, self.version, refusal)
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
@@ -257,12 +271,12 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
         return version or (2 if splits > 1 else 1), splits, per
 
-    def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits):
+    def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits, options=None):
         rt, xp = self.rt, self.rt.xp
         n, hq, d = q.shape
         group = hq // self.num_kv_heads
         version, splits, per = self._choose(version, num_splits, n * self.num_kv_heads, group,
-                                            op == "rope_write_attend")
+                                            op == "rope_write_attend", options is not None)
         out = xp.empty((n, hq, d), dtype=np.float32)
         head = (q,) + extra + (self.k, self.v, self._dev["slot"], self._dev["pos"])
         sizes = (np.int32(layer), np.int32(hq), np.int32(self.num_kv_heads), np.int32(self.max_seqs),
@@ -272,13 +286,17 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         defines = versions.decode_defines(self.defines, group) if version >= 3 else self.defines
         kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=defines)
         reduce = None
+        if op == "decode_attention" and version <= 2:  # v1/v2 take the score options (none: zeros, 0, 0)
+            scale = (scale,) + (options or (xp.zeros(hq, dtype=np.float32), np.int32(0), np.float32(0.0)))
+        else:
+            scale = (scale,)
         if version == 1:
-            args = head + (out,) + sizes + (scale,)
+            args = head + (out,) + sizes + scale
         else:
             shape = (n, hq, splits) if splits > 1 or version == 2 else (1, 1, 1)  # v3/v4 unsplit: unused
             parts = (xp.empty(shape, dtype=np.float32), xp.empty(shape, dtype=np.float32),
                      xp.empty(shape + (d,), dtype=np.float32))
-            args = head + ((out,) if version >= 3 else ()) + parts + sizes + (np.int32(per), np.int32(splits), scale)
+            args = head + ((out,) if version >= 3 else ()) + parts + sizes + (np.int32(per), np.int32(splits)) + scale
             if version >= 3:
                 block, smem = (versions.DECODE_THREADS,), 0  # decode_core.cuh: 4 warps, static shared memory only
             if splits > 1 or version == 2:

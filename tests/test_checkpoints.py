@@ -162,19 +162,22 @@ def test_a_valid_numpy_checkpoint_loads(tmp_path):
     (dict(reshape="model.layers.0.mlp.up_proj.weight"), "model.layers.0.mlp.up_proj.weight"),
     (dict(architectures=["MixtralForCausalLM"]), "MixtralForCausalLM"),
     (dict(attention_bias=True), "attention_bias"),
-    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0)), "llama3"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=5e5, factor=8.0)), "longrope"),
+    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0)), "low_freq_factor"),
 ])
 def test_bad_checkpoints_raise_model_format_error_naming_the_problem(tmp_path, bad, message):
     with pytest.raises(ModelFormatError, match=message):
         load_checkpoint(_numpy_llama(tmp_path / "bad", **bad))
 
 
-def test_a_moe_deepseek_config_is_refused_naming_the_first_moe_layer(tmp_path):
+def test_a_moe_deepseek_config_with_another_routing_is_refused_naming_it(tmp_path):
+    """MoE layers load (tests/test_families.py); a routing rule minikv does not implement is refused."""
     cfg = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=12,
                num_hidden_layers=4, num_attention_heads=2, kv_lora_rank=4, q_lora_rank=None, qk_rope_head_dim=2,
-               qk_nope_head_dim=2, v_head_dim=2, n_routed_experts=8, first_k_dense_replace=1)
+               qk_nope_head_dim=2, v_head_dim=2, n_routed_experts=8, first_k_dense_replace=1,
+               moe_intermediate_size=4, num_experts_per_tok=2, topk_method="greedy")
     tmp_path.joinpath("config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelFormatError, match=r"layer 1 uses mixture-of-experts.*does not depend on the MLP"):
+    with pytest.raises(ModelFormatError, match=r"topk_method='greedy'"):
         load_checkpoint(tmp_path)
 
 

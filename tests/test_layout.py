@@ -19,6 +19,7 @@ MAX_MODULE, MAX_FUNCTION, MAX_CLASS = 300, 60, 300
 
 # --- the layout: the core at the top of minikv/, one folder per chapter ----------------------------
 CORE = {"__init__", "__main__", "errors", "layers", "moe", "attention", "online_softmax", "kv_cache", "model",
+        "model_config",
         "sampling", "generate", "scheduler", "speculative", "perplexity"}
 FOLDERS = {"textbook", "paged", "mla", "quant", "window", "hybrid", "tiers", "parallel", "weights", "costs", "bench",
            "cli"}
@@ -31,6 +32,7 @@ LEVELS = [
     ["minikv.kv_cache"],
     ["minikv.paged"],                                                    # step 3
     ["minikv.mla", "minikv.quant", "minikv.window", "minikv.hybrid"],    # steps 4, 5, 6, 9
+    ["minikv.model_config"],
     ["minikv.model"],
     ["minikv.weights", "minikv.sampling", "minikv.speculative", "minikv.costs"],
     ["minikv.generate", "minikv.perplexity", "minikv.scheduler"],

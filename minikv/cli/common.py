@@ -60,6 +60,8 @@ INT_FLAGS = {
     "--tp": (1, MAX_COUNT, "tensor-parallel MPI ranks: run under mpiexec -n TP (x CP)"),
     "--cp": (1, MAX_COUNT, "context-parallel MPI ranks of an MLA model: run under mpiexec -n CP (x TP)"),
     "--draft-len": (1, MAX_COUNT, "draft tokens verified per pass, e.g. 4"),
+    "--context": (1, MAX_COUNT, "tokens per sequence for the planner, e.g. 8192"),
+    "--sequences": (1, MAX_COUNT, "concurrent sequences for the planner, e.g. 16"),
     "--conversations": (1, MAX_BENCH_REQUESTS, "chats in the offload trace, each a few turns, e.g. 24"),
     "--device-blocks": (1, MAX_COUNT, "the offload trace's device pool, enough for its longest request, e.g. 48"),
     "--host-blocks": (1, MAX_COUNT, "the host tier's pool, e.g. 64"),
@@ -68,6 +70,7 @@ INT_FLAGS = {
 FLOAT_FLAGS = {
     "--temperature": (0.0, math.inf, False, "use --greedy for argmax"),
     "--top-p": (0.0, 1.0, False, "1.0 keeps every token"),
+    "--kv-budget": (0.0, math.inf, False, "the planner's KV memory in GB (1e9 bytes), e.g. 80"),
     "--kv-budget-mib": (0.0, math.inf, False, "the memory available also bounds it"),
     "--tol": (0.0, math.inf, True, ""),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from minikv.cli import plan
 from minikv.cli.common import print_json
 from minikv.errors import ConfigError, MinikvError
 
@@ -71,6 +72,7 @@ def add_memory(sub) -> None:
     g.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                    help="output head tied to the embedding")
     p.add_argument("--json", action="store_true", help="also print one JSON line last (kv_cache_bytes, ...)")
+    plan.add_plan_flags(p)
     p.set_defaults(func=_run_memory)
 
 
@@ -98,6 +100,8 @@ def _shape(args):
 def _run_memory(args) -> int:
     from minikv.costs import PRESETS, memory_report, render_report
 
+    if args.model is not None:  # the capacity planner: minikv/cli/plan.py
+        return plan.run_plan(args)
     if args.list_presets:
         for name, shape in PRESETS.items():
             print(f"{name:16s} {shape.attention_kind}  {shape.source}")

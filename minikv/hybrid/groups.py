@@ -126,10 +126,11 @@ class HybridKVCache(KVCacheBase):
         cache, j = self._where[layer]
         cache.write(j, k, v)
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
         self._check_layer(layer)
         cache, j = self._where[layer]
-        out = cache.attend(j, q)
+        out = cache.attend(j, q, sinks=sinks, softcap=softcap)
         self._attended.add(layer)
         return out
 

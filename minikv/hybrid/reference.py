@@ -30,12 +30,14 @@ class SlidingNoCache(NoCache):
         # WindowPolicy.visible is the rule "k <= q and q - k < W": the ring's, written once (minikv.window.ring)
         self._rules = [None if w is None else WindowPolicy(w) for w in self.layer_windows]
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """q: [N, Hq, D] -> [N, Hq, D]; each sequence's tokens see their own earlier tokens, within the window."""
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
+        """q: [N, Hq, D] -> [N, Hq, D]; each sequence's tokens see their own earlier tokens, within the window
+        (sinks [Hq], softcap: ``minikv.online_softmax``'s options)."""
         self._check_layer(layer)
         rule = self._rules[layer]
         if rule is None:
-            return super().attend(layer, q)
+            return super().attend(layer, q, sinks=sinks, softcap=softcap)
         step = self._check_query(layer, q)
         if self._k[layer] is None:
             raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
@@ -45,5 +47,6 @@ class SlidingNoCache(NoCache):
             k, v = self._k[layer][r].transpose(1, 0, 2), self._v[layer][r].transpose(1, 0, 2)  # [Hkv, T, D]
             q_pos = np.arange(r.stop - r.start)                                               # whole sequences
             k_pos = np.broadcast_to(q_pos, k.shape[:2])                                       # [Hkv, T]
-            out[r] = attend_slots(q[r], [(k, v, k_pos)], lambda kp, q_pos=q_pos: rule.visible(q_pos, kp))
+            out[r] = attend_slots(q[r], [(k, v, k_pos)], lambda kp, q_pos=q_pos: rule.visible(q_pos, kp),
+                                  sinks=sinks, softcap=softcap)
         return out

@@ -82,11 +82,12 @@ class MLALayer:
     wo_t: np.ndarray                 # [H, Hq*Dv]
     bo: np.ndarray | None            # [H]
     mlp_norm: np.ndarray
-    w_gate_up_t: np.ndarray
-    w_down_t: np.ndarray
+    w_gate_up_t: np.ndarray | None   # None: a mixture-of-experts layer (``moe``, see minikv.model.mlp_block)
+    w_down_t: np.ndarray | None
+    moe: object | None = None        # its ``minikv.moe.MoEWeights``
 
     @classmethod
-    def prepare(cls, lw: MLALayerWeights) -> "MLALayer":
+    def prepare(cls, lw: MLALayerWeights, moe=None) -> "MLALayer":
         t = np.ascontiguousarray
         first = lw.wq if lw.wq is not None else lw.wq_a
         ba = None
@@ -96,7 +97,8 @@ class MLALayer:
                                  zeros(lw.wkv_a[0]) if lw.bkv_a is None else lw.bkv_a])
         return cls(lw.attn_norm, t(np.concatenate([first, lw.wkv_a], axis=1).T), ba, lw.q_a_norm,
                    None if lw.wq_b is None else t(lw.wq_b.T), lw.kv_a_norm, t(lw.wo.T), lw.bo, lw.mlp_norm,
-                   t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T), t(lw.w_down.T))
+                   None if moe else t(np.concatenate([lw.w_gate, lw.w_up], axis=1).T),
+                   None if moe else t(lw.w_down.T), moe)
 
 
 def mla_attention_block(x: np.ndarray, lw: MLALayer, cfg, cache, li: int,

@@ -51,7 +51,8 @@ def gather_blocks(pool: np.ndarray) -> TileLoader:
 def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, query_lens: np.ndarray | None = None,
                     blocks_per_tile: int | None = None, load_k: TileLoader | None = None,
-                    load_v: TileLoader | None = None) -> np.ndarray:
+                    load_v: TileLoader | None = None, sinks: np.ndarray | None = None,
+                    softcap: float | None = None) -> np.ndarray:
     """Attention of packed queries over each sequence's blocks, read through its block table.
 
     q:               [N, Hq, D] queries of B sequences, packed (sequence b owns query_lens[b] rows)
@@ -64,6 +65,7 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
                      of the tile for R queries, where ``full`` [R, tile] says which of them are full at
                      each query's position (default: ``k_pool[blk]``, ignoring ``full``; a quantized
                      cache reads the full ones from their codes: ``minikv.quant.cache``)
+    sinks, softcap:  learned sink logits [Hq] and tanh soft-capping (``minikv.online_softmax``)
     returns:         [N, Hq, D] in q's dtype
 
     The t-th query of sequence b sits at ``p = context_lens[b] - query_lens[b] + t`` and sees
@@ -86,7 +88,7 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
     qg = q.reshape(n, hkv, g, d)  # a whole GQA group per KV head: K/V of a block read once per group
     load_k = gather_blocks(k_pool) if load_k is None else load_k
     load_v = gather_blocks(v_pool) if load_v is None else load_v
-    state = online_softmax.start((n, hkv, g), d, dt)
+    state = online_softmax.start((n, hkv, g), d, dt, None if sinks is None else np.reshape(sinks, (hkv, g)))
     for start in range(0, int(visible.max()), span):
         # Only the queries that see a key of this tile take part: a prefill's early queries skip the
         # later tiles (1.7x faster for a 512-token prefill, 2.1x for a batch of 8 decodes of 64..1024
@@ -101,7 +103,7 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
         valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
-                                            valid[:, None, None, :], overwrite=True)
+                                            valid[:, None, None, :], overwrite=True, softcap=softcap)
     out = online_softmax.finish(state).reshape(n, hq, d)
     assert out.dtype == dt, out.dtype
     return out

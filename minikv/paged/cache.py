@@ -149,11 +149,14 @@ class PagedKVCache(KVCacheBase):
         self.k_pool[layer].reshape(flat)[self._slots] = k
         self.v_pool[layer].reshape(flat)[self._slots] = v
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """Paged attention of the step's queries (q: [N, Hq, D]) over each sequence's blocks -> [N, Hq, D]."""
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
+        """Paged attention of the step's queries (q: [N, Hq, D]) over each sequence's blocks -> [N, Hq, D]
+        (sinks [Hq], softcap: ``minikv.online_softmax``'s options)."""
         step = self._check_query(layer, q)
         return paged_attention(q, self.k_pool[layer], self.v_pool[layer], self._step_tables,
-                               step.past + step.num_new, step.num_new, self.blocks_per_tile)
+                               step.past + step.num_new, step.num_new, self.blocks_per_tile,
+                               sinks=sinks, softcap=softcap)
 
     # -- sequences: bookkeeping by the block manager (``cache.blocks``: ask it the scheduler's questions),
     #    block copies here

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -44,6 +45,7 @@ from minikv.layers import ACTIVATIONS, YarnConfig
 from minikv.mla.block import MLALayerWeights
 from minikv.mla.latent import MLAConfig
 from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
+from minikv.weights import families
 from minikv.weights.gemma import gemma3_layer_types
 
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
@@ -222,7 +224,7 @@ def _llama_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
                         **_mlp(t, p, c))
 
 
-def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool) -> MLALayerWeights:
+def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool, dense: bool = True) -> MLALayerWeights:
     m, h, hq, a = c.mla, c.hidden_size, c.num_heads, f"{p}.self_attn"
     q_out, r, w = hq * m.qk_head_dim, m.kv_lora_rank, m.latent_dim
     if m.q_lora_rank is None:
@@ -239,7 +241,10 @@ def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool) -> MLALayer
                            wkv_a=t.linear(f"{a}.kv_a_proj_with_mqa.weight", h, w),
                            kv_a_norm=t.get(f"{a}.kv_a_layernorm.weight", (r,)),
                            wkv_b=t.linear(f"{a}.kv_b_proj.weight", r, hq * (m.qk_nope_head_dim + m.v_head_dim)),
-                           wo=t.linear(f"{a}.o_proj.weight", hq * m.v_head_dim, h), **q, **_mlp(t, p, c))
+                           wo=t.linear(f"{a}.o_proj.weight", hq * m.v_head_dim, h), **q,
+                           **(_mlp(t, p, c) if dense else dict(  # an MoE layer: its MLP is minikv.weights.families'
+                               mlp_norm=t.get(f"{p}.post_attention_layernorm.weight", (h,)),
+                               w_gate=None, w_up=None, w_down=None)))
 
 
 def _gemma3_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
@@ -272,19 +277,23 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{path / 'config.json'} is not valid JSON: {e}") from None
     arch = (cfg.get("architectures") or [None])[0]
-    if arch not in SUPPORTED:
+    family = isinstance(arch, str) and families.handles(arch, cfg)  # the families of minikv.weights.families
+    if arch not in SUPPORTED and not family:
         raise ModelFormatError(f"architecture {arch!r} in {path / 'config.json'} is not supported; "
-                               f"minikv loads {', '.join(SUPPORTED)}")
-    reader = {"LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config,
-              "Gemma3ForCausalLM": _gemma3_config}[arch]
+                               f"minikv loads {', '.join(SUPPORTED + families.FAMILIES)}")
+    reader = (lambda c: families.family_config(arch, c, sys.modules[__name__])) if family else {  # noqa: E731
+        "LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config,
+        "Gemma3ForCausalLM": _gemma3_config}[arch]
     try:
         config = reader(cfg)
     except KeyError as e:
         raise ModelFormatError(f"{path / 'config.json'} lacks {e.args[0]!r}, which {arch} needs") from None
     except ConfigError as e:  # e.g. layer_types that do not name every layer, a window that is no positive int
         raise ModelFormatError(f"{path / 'config.json'}: {e}") from None
-    t = _Tensors(path)
-    if arch == "DeepseekV3ForCausalLM":
+    t, moe = _Tensors(path), None
+    if family:
+        layers, moe = families.family_layers(t, arch, config, cfg, sys.modules[__name__])
+    elif arch == "DeepseekV3ForCausalLM":
         bias = bool(cfg.get("attention_bias", False))
         layers = [_deepseek_layer(t, f"model.layers.{i}", config, bias) for i in range(config.num_layers)]
     else:
@@ -293,8 +302,8 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     v, h = config.vocab_size, config.hidden_size
     lm_head = None if config.tie_embeddings else t.get("lm_head.weight", (v, h))  # tied: the embedding is the head
     final_norm = t.get("model.norm.weight", (h,))
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", "Gemma2ForCausalLM"):
         final_norm = np.float32(1.0) + final_norm  # Gemma3RMSNorm: x * (1 + w)
     weights = ModelWeights(embed=t.get("model.embed_tokens.weight", (v, h)), layers=layers, final_norm=final_norm,
-                           lm_head=lm_head)
+                           lm_head=lm_head, moe=moe)
     return Model(config, weights, dtype=dtype)

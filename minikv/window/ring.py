@@ -129,7 +129,8 @@ class WindowPolicy(Policy):
 # --- attention over slots in any order ---------------------------------------------------------
 
 
-def attend_slots(q: np.ndarray, tiles: list, visible, mass_rows: np.ndarray | None = None):
+def attend_slots(q: np.ndarray, tiles: list, visible, mass_rows: np.ndarray | None = None,
+                 sinks: np.ndarray | None = None, softcap: float | None = None):
     """GQA attention of T queries over keys stored in any order, a tile at a time.
 
     q:         [T, Hq, D] rotated queries (query head h reads KV head h // G)
@@ -138,6 +139,7 @@ def attend_slots(q: np.ndarray, tiles: list, visible, mass_rows: np.ndarray | No
     mass_rows: [T] bool or None. If given, also return each key's softmax mass, summed over
                the selected queries and the G query heads of its group, and how many selected
                queries saw it: two lists of [Hkv, K] (one per tile).
+    sinks, softcap: learned sink logits [Hq] and tanh soft-capping (``minikv.online_softmax``)
     returns:   out [T, Hq, D] (, mass, seen)
 
     The mass of key j for a query is exp(s_j - m) / l with the *final* running max m and sum l,
@@ -148,12 +150,12 @@ def attend_slots(q: np.ndarray, tiles: list, visible, mass_rows: np.ndarray | No
     g = hq // hkv
     scale = q.dtype.type(1.0 / np.sqrt(d))
     qg = (q * scale).reshape(t, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * t, d)  # row = g*T + t
-    state = online_softmax.start((hkv, g * t), d, q.dtype)
+    state = online_softmax.start((hkv, g * t), d, q.dtype, online_softmax.sink_rows(sinks, hkv, g, t))
     kept = []
     for k, v, k_pos in tiles:
         vis = visible(k_pos)                                           # [Hkv, T, K]
         mask = np.tile(vis, (1, g, 1))                                 # [Hkv, G*T, K]
-        scores = qg @ np.swapaxes(k.astype(q.dtype, copy=False), -1, -2)
+        scores = online_softmax.soft_cap(qg @ np.swapaxes(k.astype(q.dtype, copy=False), -1, -2), softcap)
         online_softmax.update(state, scores.copy() if mass_rows is not None else scores,
                               v.astype(q.dtype, copy=False), mask, overwrite=True)
         kept.append((scores, mask, vis))
@@ -303,10 +305,14 @@ class EvictingKVCache(KVCacheBase):
         self._check_rows("v", v, self.num_kv_heads)
         self._stash[layer] = (k.astype(self.dtype), v.astype(self.dtype), {})
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
         step = self._check_query(layer, q)
         if layer not in self._stash:
             raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
+        if self.rotates_in_cache and (sinks is not None or softcap is not None):
+            raise ConfigError("positions='in-cache' does not apply learned sinks or soft-capping; "
+                              "use positions='original' for this model")
         k_new, v_new, masses = self._stash[layer]
         out = np.empty_like(q)
         for i, sid in enumerate(step.seq_ids):
@@ -320,7 +326,8 @@ class EvictingKVCache(KVCacheBase):
                                          np.concatenate([s.pos[layer], pn], 1), q_pos, self.policy.visible, self.rope)
                 continue
             rows = self.policy.mass_queries(int(step.past[i]), r.stop - r.start)
-            res = attend_slots(q[r], [(s.k[layer], s.v[layer], s.pos[layer]), (kn, vn, pn)], vis, rows)
+            res = attend_slots(q[r], [(s.k[layer], s.v[layer], s.pos[layer]), (kn, vn, pn)], vis, rows,
+                               sinks=sinks, softcap=softcap)
             out[r] = res if rows is None else res[0]
             if rows is not None:
                 masses[i] = res[1:]

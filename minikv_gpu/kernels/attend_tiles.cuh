@@ -62,10 +62,12 @@ __device__ __forceinline__ void load_tile(const T* k, const T* v, const Rows& ro
 // folding them into s. All threads of the block call it: it has barriers, two per tile (one in
 // rows.begin_tile, one after the load), so shared writes made before the call (queries) are
 // ordered before any read.
+// softcap > 0 caps each scaled score (online_softmax::soft_cap) before the update, per tile.
 template <class T, class Rows>
 __device__ __forceinline__ void attend_tiles(const T* k, const T* v, Rows& rows, int k_begin, int k_end,
                                              int row_end, const float* q_row, float (*k_s)[HEAD_DIM + 1],
-                                             float (*v_s)[HEAD_DIM], float scale, online_softmax::State& s) {
+                                             float (*v_s)[HEAD_DIM], float scale, online_softmax::State& s,
+                                             float softcap = 0.0f) {
     const int lane = threadIdx.x & 31;
     for (int k0 = k_begin; k0 < k_end; k0 += KEY_TILE) {
         rows.begin_tile(k0, k_end);  // includes the barrier: everyone is done with the previous tile
@@ -77,7 +79,7 @@ __device__ __forceinline__ void attend_tiles(const T* k, const T* v, Rows& rows,
             float dot = 0.0f;
 #pragma unroll 8
             for (int d = 0; d < HEAD_DIM; ++d) dot += q_row[d] * k_s[lane][d];
-            score = dot * scale;
+            score = online_softmax::soft_cap(dot * scale, softcap);
         }
         online_softmax::update(s, score, v_s);
     }

@@ -14,7 +14,8 @@
 // register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
 //   cache_write_v1          append the step's new K/V rows
 //   decode_attention_v1     attention of the step's queries over the cache, one block per
-//                           (token, KV head) (RoPE and the cache write are separate launches)
+//                           (token, KV head) (RoPE and the cache write are separate launches);
+//                           v1 and v2 take learned sinks and soft-capping as options (gpt-oss, Gemma 2)
 //   decode_attention_v2     the same, split-K: block (token, KV head, split) attends one key
 //                           range and writes a partial; attention_reduce_v2 merges them
 //   rope_write_attend_v1    fused, for decode steps (one new token per sequence): RoPE on q
@@ -135,6 +136,14 @@ struct RopeWrite {
 __device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWrite& f, int p_n, int n_kv_heads,
                                                float* q_s);
 
+// The score options of decode_attention_v1/v2: sinks[Hq] when use_sinks (the split z = 0 starts
+// from them, so a merge counts each once), softcap > 0 to cap. The fused kernels pass none.
+struct ScoreOptions {
+    const float* sinks;
+    int use_sinks;
+    float softcap;
+};
+
 // The body of every attention kernel here, block (n, h, z): the group's G queries into shared
 // memory (copied from q, or rotated by the fused prologue, which also appends the new K/V row),
 // attention over the block's key range, and each warp's result written normalized into out (v1)
@@ -142,7 +151,8 @@ __device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWr
 __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float* q, const RopeWrite& f,
                                                 const cache_t* k_cache, const cache_t* v_cache, const int* pos,
                                                 int n_kv_heads, float scale, float* out, float* part_m,
-                                                float* part_l, float* part_acc, int n_splits) {
+                                                float* part_l, float* part_acc, int n_splits,
+                                                ScoreOptions opt = ScoreOptions{nullptr, 0, 0.0f}) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     extern __shared__ float q_s[];                            // [G][D]
@@ -150,9 +160,11 @@ __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float
     if (f.q_raw != nullptr) rope_and_write(c, f, pos[c.n], n_kv_heads, q_s);
     else load_queries(q + c.q_base, q_s, c.group * HEAD_DIM);
     DenseRows rows{c.head_base};
-    online_softmax::State s = online_softmax::start();
-    attend_tiles(k_cache, v_cache, rows, c.k_begin, c.k_end, c.k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s);
     const long long row = c.q_base / HEAD_DIM + warp;  // (n, h*G + warp)
+    const bool sink = opt.use_sinks && c.z == 0;
+    online_softmax::State s = sink ? online_softmax::start(opt.sinks[c.h * c.group + warp]) : online_softmax::start();
+    attend_tiles(k_cache, v_cache, rows, c.k_begin, c.k_end, c.k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s,
+                 opt.softcap);
     if (part_m == nullptr) online_softmax::finish(s, out + row * HEAD_DIM);
     else write_partial(s, part_m, part_l, part_acc, row * n_splits + c.z);
 }
@@ -168,13 +180,16 @@ __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float
 //           dynamic G*D floats for the queries (launch with shared_mem = 4*G*D)
 //   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (K and V, each
 //          element once per GQA group, not once per query head), writes 4*N*Hq*D.
+//   options: sinks [Hq] float32 (read when use_sinks), softcap (> 0: cap each scaled score)
 // ---------------------------------------------------------------------------
 extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
                                                const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
                                                const int* __restrict__ pos, float* __restrict__ out, int layer,
-                                               int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale) {
+                                               int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale,
+                                               const float* __restrict__ sinks, int use_sinks, float softcap) {
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, max_len);
-    cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1);
+    cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1,
+                    ScoreOptions{sinks, use_sinks, softcap});
 }
 
 // ---------------------------------------------------------------------------
@@ -193,11 +208,12 @@ extern "C" __global__ void decode_attention_v2(const float* __restrict__ q, cons
                                                const int* __restrict__ pos, float* __restrict__ part_m,
                                                float* __restrict__ part_l, float* __restrict__ part_acc, int layer,
                                                int n_heads, int n_kv_heads, int max_seqs, int max_len,
-                                               int keys_per_split, int n_splits, float scale) {
+                                               int keys_per_split, int n_splits, float scale,
+                                               const float* __restrict__ sinks, int use_sinks, float softcap) {
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
     if (c.k_begin >= c.k_end) return;  // this split lies past the sequence's end (whole block leaves)
     cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
-                    n_splits);
+                    n_splits, ScoreOptions{sinks, use_sinks, softcap});
 }
 
 // The fused prologue (rope_write_attend_v1/v2):

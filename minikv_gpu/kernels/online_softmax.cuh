@@ -19,6 +19,13 @@
 //     such a row alone (l and acc stay 0) and merge shifts it by 0; finish returns 0 for l = 0;
 //   * a masked key's value row may be stale memory, even NaN (a paged pool's partly filled last
 //     block), and 0 * NaN = NaN: a key whose probability is 0 is skipped, never multiplied by 0.
+//
+// Two options (minikv/online_softmax.py's module docstring):
+//   * a learned sink (gpt-oss): one logit per query head that joins the denominator and carries
+//     no value. start(sink) is a state that has seen one key of score `sink` and value 0:
+//     m = sink, l = 1, acc = 0. Split-K: exactly one split starts from it, and merge counts it once.
+//   * tanh soft-capping (Gemma 2): soft_cap(score, cap) = cap * tanh(score / cap) on each raw score
+//     before update takes the max; cap <= 0 means none, and a masked -inf stays -inf.
 
 #pragma once
 
@@ -40,6 +47,19 @@ __device__ __forceinline__ State start() {
 #pragma unroll
     for (int c = 0; c < DIMS_PER_LANE; ++c) s.acc[c] = 0.0f;
     return s;
+}
+
+// The state of a row with a learned sink logit: as if one key of score `sink` and value 0 was seen.
+__device__ __forceinline__ State start(float sink) {
+    State s = start();
+    s.m = sink;
+    s.l = 1.0f;
+    return s;
+}
+
+// cap * tanh(score / cap) for cap > 0 (else score unchanged); a masked key (-inf) stays masked.
+__device__ __forceinline__ float soft_cap(float score, float cap) {
+    return (cap > 0.0f && score != -CUDART_INF_F) ? cap * tanhf(score / cap) : score;
 }
 
 // Fold one tile of keys into s. Warp-collective (all 32 lanes call it with the same s.m):

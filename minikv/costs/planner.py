@@ -1,0 +1,195 @@
+"""The KV capacity planner: how much cache a model needs, per layer type, and what a budget buys.
+
+Any config.json (a Hugging Face directory, a bare file, or one of ``PLANS``' real configs) becomes a
+``KVPlan``: per layer, the values one token stores (K and V: 2 x Hkv x D; an MLA layer caches one
+latent of kv_lora_rank + rope_dim) and the keys it keeps (a full layer: the whole context C; a
+sliding layer: min(C, W)). From that, at a KV dtype of ``itemsize`` bytes and a block size b
+(a paged cache allocates whole blocks, so a layer holding n tokens pays for ceil(n / b) * b):
+
+    bytes_per_sequence(C) = sum_l  ceil(min(C, W_l) / b) * b * values_l * itemsize
+    max_sequences(budget, C) = floor(budget / bytes_per_sequence(C))
+    max_context(budget, N)   = the largest C with N * bytes_per_sequence(C) <= budget
+
+and the **waste of all-full sizing**: an engine that gives every layer a full layer's C slots (vLLM
+before its hybrid allocator) wastes 1 - per_layer / all_full of what it reserves. vLLM's RFC #11382
+(https://github.com/vllm-project/vllm/issues/11382) states it for BLOCK_SIZE=1: "The memory waste can
+be 79.6% in mllama, 25% in Gemma-2, and 56.25% in Ministral"; ``tests/test_planner.py`` reproduces
+the last two (Gemma-2: half the layers slide over 4096 of an 8192 context; Ministral-8B: one full
+layer per three sliding, windows of 32k in a 128k context).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from minikv.errors import ModelFileNotFoundError, ModelFormatError
+
+KV_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """A model's cache geometry, layer by layer.
+
+    layers:       tuple of (window or None, values per token) per layer: W of a sliding layer (None: full),
+                  and the cached numbers one token adds to that layer (2 Hkv D, or the MLA latent's width)
+    max_position: the longest context the model takes
+    """
+
+    name: str
+    layers: tuple
+    max_position: int
+    source: str = ""
+
+    def by_type(self, itemsize: int) -> dict:
+        """{layer type: (layers, bytes per token per layer)}: "full" or "sliding W"."""
+        out: dict = {}
+        for w, values in self.layers:
+            key = "full" if w is None else f"sliding {w}"
+            n, b = out.get(key, (0, values * itemsize))
+            out[key] = (n + 1, b)
+        return out
+
+    def bytes_per_sequence(self, context: int, itemsize: int, block_size: int = 1, all_full: bool = False) -> int:
+        """Bytes one sequence of ``context`` tokens holds: each layer's kept tokens rounded up to whole blocks."""
+        total = 0
+        for w, values in self.layers:
+            kept = context if (w is None or all_full) else min(context, w)
+            total += -(-kept // block_size) * block_size * values * itemsize
+        return total
+
+    def waste_of_all_full(self, context: int, block_size: int = 1) -> float:
+        """1 - per-layer / all-full: the share of an all-full reservation that sliding layers never use."""
+        return 1.0 - self.bytes_per_sequence(context, 1, block_size) / self.bytes_per_sequence(context, 1, block_size,
+                                                                                              all_full=True)
+
+    def max_sequences(self, budget: int, context: int, itemsize: int, block_size: int = 1) -> int:
+        return budget // self.bytes_per_sequence(context, itemsize, block_size)
+
+    def max_context(self, budget: int, sequences: int, itemsize: int, block_size: int = 1) -> int:
+        """The longest context (<= max_position) at which ``sequences`` sequences fit in ``budget``; 0 if none."""
+        lo, hi = 0, self.max_position
+        while lo < hi:  # bytes_per_sequence grows with the context: bisect
+            mid = (lo + hi + 1) // 2
+            if sequences * self.bytes_per_sequence(mid, itemsize, block_size) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def _windows(cfg: dict, n: int) -> list:
+    """Each layer's window (None: full) from config.json, as each family defines it."""
+    w = cfg.get("sliding_window")
+    kind = cfg.get("model_type", "")
+    if cfg.get("layer_types"):
+        return [w if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    if w is None or cfg.get("use_sliding_window") is False:
+        return [None] * n
+    if kind in ("gemma2", "gpt_oss"):  # even layers slide
+        return [w if i % 2 == 0 else None for i in range(n)]
+    if kind in ("gemma3", "gemma3_text"):  # every pattern-th layer is full
+        p = int(cfg.get("sliding_window_pattern", 6))
+        return [None if (i + 1) % p == 0 else w for i in range(n)]
+    return [w] * n  # Mistral: every layer
+
+
+def plan_from_config(cfg: dict, name: str = "config.json", source: str = "") -> KVPlan:
+    """A ``KVPlan`` from a config.json dict (``text_config`` of a multimodal one is read); ModelFormatError
+    naming a missing field."""
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    try:
+        n = int(cfg["num_hidden_layers"])
+        if cfg.get("kv_lora_rank"):  # MLA: one latent of r + dr per token and layer, K and V together
+            values = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+        else:
+            heads = int(cfg["num_attention_heads"])
+            d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+            values = 2 * int(cfg.get("num_key_value_heads") or heads) * d
+    except KeyError as e:
+        raise ModelFormatError(f"{name} lacks {e.args[0]!r}, which the KV planner needs") from None
+    windows = _windows(cfg, n)
+    if len(windows) != n:
+        raise ModelFormatError(f"{name}: layer_types names {len(windows)} layers, num_hidden_layers is {n}")
+    return KVPlan(name, tuple((w, values) for w in windows), int(cfg.get("max_position_embeddings") or 4096),
+                  source)
+
+
+def plan_from_path(path) -> KVPlan:
+    """A ``KVPlan`` from a Hugging Face directory, a bare config.json, a GGUF file, or a preset name."""
+    if str(path) in PLANS:
+        return PLANS[str(path)]
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ModelFileNotFoundError(f"{path}: no such file, directory with config.json, or preset (presets: "
+                                     f"{', '.join(PLANS)})")
+    if p.suffix == ".gguf":
+        return _plan_from_gguf(p)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{p} is not valid JSON: {e}") from None
+    return plan_from_config(cfg, str(p))
+
+
+def _plan_from_gguf(path: Path) -> KVPlan:
+    """A GGUF file's metadata: {arch}.block_count, .attention.head_count(_kv), .attention.key_length,
+    .attention.sliding_window, .context_length (gemma3: every 6th layer full, as its loader reads it)."""
+    from minikv.weights.gguf import _field_value, _open_reader
+
+    reader = _open_reader(path)
+    meta = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.")}  # vocab: slow
+    arch = meta.get("general.architecture")
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    if g("block_count") is None:
+        raise ModelFormatError(f"{path}: no {arch}.block_count in the GGUF metadata")
+    heads = int(g("attention.head_count"))
+    cfg = {"num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
+           "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+           "head_dim": int(g("attention.key_length", int(g("embedding_length")) // heads)),
+           "max_position_embeddings": int(g("context_length", 4096)), "sliding_window": g("attention.sliding_window"),
+           "model_type": "gemma3" if arch == "gemma3" else arch}
+    return plan_from_config(cfg, str(path))
+
+
+def _preset(name, source, **cfg) -> KVPlan:
+    return plan_from_config(cfg, name, source)
+
+
+_HF = "https://huggingface.co/{}/blob/main/config.json"
+PLANS = {p.name: p for p in (
+    _preset("qwen2.5-7b", _HF.format("Qwen/Qwen2.5-7B"), num_hidden_layers=28, num_attention_heads=28,
+            num_key_value_heads=4, hidden_size=3584, max_position_embeddings=131072, sliding_window=131072,
+            use_sliding_window=False),
+    _preset("qwen3-8b", _HF.format("Qwen/Qwen3-8B"), num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+    _preset("llama-3.1-8b", _HF.format("meta-llama/Llama-3.1-8B"), num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, hidden_size=4096, max_position_embeddings=131072),
+    _preset("mistral-7b-v0.1", _HF.format("mistralai/Mistral-7B-v0.1"), num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, max_position_embeddings=32768,
+            sliding_window=4096, model_type="mistral"),
+    _preset("gemma-2-9b", _HF.format("google/gemma-2-9b"), num_hidden_layers=42, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=256, max_position_embeddings=8192, sliding_window=4096,
+            model_type="gemma2"),
+    _preset("gemma-3-27b", _HF.format("google/gemma-3-27b-it") + " (text_config)", num_hidden_layers=62,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, max_position_embeddings=131072,
+            sliding_window=1024, sliding_window_pattern=6, model_type="gemma3_text"),
+    _preset("gpt-oss-20b", _HF.format("openai/gpt-oss-20b"), num_hidden_layers=24, num_attention_heads=64,
+            num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, sliding_window=128,
+            model_type="gpt_oss"),
+    _preset("gpt-oss-120b", _HF.format("openai/gpt-oss-120b"), num_hidden_layers=36, num_attention_heads=64,
+            num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, sliding_window=128,
+            model_type="gpt_oss"),
+    _preset("deepseek-v3", _HF.format("deepseek-ai/DeepSeek-V3") + "; DeepSeek-V2 paper (arXiv:2405.04434) "
+            "section 2.1: MLA caches (d_c + d_h^R) values per token and layer", num_hidden_layers=61,
+            num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=163840),
+    _preset("ministral-8b", "transformers docs/source/en/model_doc/ministral.md (1 full attention layer, then 3 "
+            "sliding, 128K context; 32k windows: vLLM PR #9414 caps max_model_len at the smallest window)",
+            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=131072, sliding_window=32768,
+            layer_types=["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(36)]),
+)}

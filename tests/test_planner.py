@@ -1,0 +1,95 @@
+"""The KV capacity planner (minikv.costs.planner) and ``minikv memory --model``.
+
+Published numbers it must reproduce:
+* vLLM RFC #11382 (https://github.com/vllm-project/vllm/issues/11382), for BLOCK_SIZE=1: "The memory
+  waste can be 79.6% in mllama, 25% in Gemma-2, and 56.25% in Ministral" when every layer is sized
+  as a full one. Gemma-2 (half the layers slide over 4096, context 8192) and Ministral-8B (one full
+  layer per three sliding over 32k, context 128k) are reproduced here.
+* DeepSeek-V2's paper (arXiv:2405.04434, section 2.1 and Table 1): MLA caches (d_c + d_h^R) elements
+  per token and layer, 4.5 d_h with d_c = 4 d_h and d_h^R = d_h / 2; DeepSeek-V3 keeps d_c = 512,
+  d_h^R = 64 (d_h = 128): 576 per layer.
+* SmolLM2-135M's GGUF metadata: 30 layers x 2 x 3 KV heads x 64 = 11,520 values per token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minikv.costs.planner import PLANS, plan_from_config, plan_from_path
+from minikv.errors import ModelFileNotFoundError, ModelFormatError
+
+
+def test_rfc_11382_waste_of_all_full_sizing():
+    assert PLANS["gemma-2-9b"].waste_of_all_full(8192) == pytest.approx(0.25, abs=1e-12)
+    assert PLANS["ministral-8b"].waste_of_all_full(131072) == pytest.approx(0.5625, abs=1e-12)
+    assert PLANS["llama-3.1-8b"].waste_of_all_full(131072) == 0  # no sliding layer, nothing wasted
+
+
+def test_bytes_per_token_of_the_presets():
+    per_token = {name: sum(v for _, v in p.layers) * 2 for name, p in PLANS.items()}  # bf16, every layer full
+    assert per_token["llama-3.1-8b"] == 32 * 2 * 8 * 128 * 2 == 131072
+    assert per_token["qwen2.5-7b"] == 28 * 2 * 4 * 128 * 2
+    assert per_token["qwen3-8b"] == 36 * 2 * 8 * 128 * 2
+    assert per_token["gemma-2-9b"] == 42 * 2 * 8 * 256 * 2
+    assert per_token["gpt-oss-20b"] == 24 * 2 * 8 * 64 * 2
+    assert {v for _, v in PLANS["deepseek-v3"].layers} == {int(4.5 * 128)}  # the paper's 4.5 d_h per layer
+    assert [w for w, _ in PLANS["gemma-3-27b"].layers].count(None) == 62 // 6  # every 6th layer full
+    assert {w for w, _ in PLANS["gpt-oss-120b"].layers} == {128, None}
+    assert all(p.source for p in PLANS.values())
+
+
+def test_block_rounding_and_the_two_capacity_answers():
+    plan = PLANS["mistral-7b-v0.1"]  # every layer slides over 4096
+    one = 32 * 2 * 8 * 128 * 2
+    assert plan.bytes_per_sequence(10, 2, block_size=16) == 16 * one  # 10 tokens pay for a block of 16
+    assert plan.bytes_per_sequence(8000, 2, block_size=16) == 4096 * one  # the window caps what is kept
+    budget = 10 * plan.bytes_per_sequence(1000, 2, 16) + 5
+    assert plan.max_sequences(budget, 1000, 2, 16) == 10
+    gemma = PLANS["gemma-2-9b"]
+    budget = 24 * 2**30
+    c = gemma.max_context(budget, 3, 2, 16)
+    assert 3 * gemma.bytes_per_sequence(c, 2, 16) <= budget < 3 * gemma.bytes_per_sequence(c + 1, 2, 16) \
+        or c == gemma.max_position
+
+
+def test_config_json_of_each_family(tmp_path):
+    base = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3)
+    assert [w for w, _ in plan_from_config({**base, "model_type": "gemma2"}).layers] == [3, None, 3, None]
+    assert [w for w, _ in plan_from_config({**base, "use_sliding_window": False}).layers] == [None] * 4
+    assert [w for w, _ in plan_from_config({**base, "model_type": "mistral"}).layers] == [3] * 4
+    (tmp_path / "config.json").write_text(json.dumps({**base, "layer_types": ["full_attention"] * 4}))
+    assert plan_from_path(tmp_path).layers == ((None, 32),) * 4
+    with pytest.raises(ModelFormatError, match="num_hidden_layers"):
+        plan_from_config({"num_attention_heads": 2})
+    with pytest.raises(ModelFileNotFoundError, match="preset"):
+        plan_from_path(tmp_path / "nowhere")
+
+
+def test_gguf_metadata(require, tmp_path):
+    """A metadata-only GGUF written with gguf's writer (SmolLM2-135M's attention numbers; reading the real
+    file's 49k-token vocabulary would cost seconds for nothing)."""
+    gguf = require("gguf")
+    path = tmp_path / "smol.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 30), ("attention.head_count", 9), ("attention.head_count_kv", 3),
+                       ("embedding_length", 576), ("context_length", 8192)):
+        w.add_uint32(f"llama.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    plan = plan_from_path(path)
+    assert plan.layers == ((None, 2 * 3 * 64),) * 30 and plan.max_position == 8192
+
+
+def test_cli_prints_and_json(capsys):
+    from minikv.cli import main
+
+    assert main(["memory", "--model", "gemma-2-9b", "--context", "8192", "--block-size", "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["waste_of_all_full"] == 0.25 and rep["layers"]["full"] == {"count": 21, "bytes_per_token": 8192}
+    assert rep["max_sequences"] == 80 * 10**9 // rep["bytes_per_sequence"]
+    assert main(["memory", "--model", "no/such/dir"]) == 2
+    assert "ModelFileNotFoundError" in capsys.readouterr().err
