@@ -332,3 +332,31 @@ def test_hostile_config_fields_load_or_are_refused(ckpt, tmp_path, fields, arch)
                                       st.booleans()), min_size=1, max_size=3))
 def test_hostile_gguf_metadata_loads_or_is_refused(tmp_path, keys):
     load_bounded(lambda: read_gguf(_gguf_with(tmp_path, keys)))
+
+
+# --- what --model names -------------------------------------------------------------------------------------
+
+def test_a_fifo_or_a_device_as_the_model_is_named_as_such_not_as_missing(tmp_path):
+    import os
+
+    from minikv.errors import ModelFileNotFoundError, ModelFormatError
+    from minikv.weights.gguf import find_model_file
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # opening it to read would block forever: the check must come before
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a character device")):
+        with pytest.raises(ModelFormatError, match=kind):
+            find_model_file(path)
+        with pytest.raises(ModelFileNotFoundError, match="is not a directory"):
+            load_checkpoint(path)
+    with pytest.raises(ModelFileNotFoundError, match="does not exist"):
+        find_model_file(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("field, value", [("factor", float("inf")), ("beta_fast", float("nan")), ("beta_slow", 0.0),
+                                          ("attention_factor", -1.0), ("mscale", float("inf"))])
+def test_yarn_config_checks_every_float_it_builds_tables_from(field, value):
+    from minikv.layers import YarnConfig
+
+    with pytest.raises(ConfigError, match=f"yarn {field}="):
+        YarnConfig(**{"factor": 4.0, "original_max_position": 64, field: value})

@@ -310,7 +310,8 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     """
     path = Path(path)
     if not (path / "config.json").is_file():
-        what = "has no config.json" if path.is_dir() else "does not exist"
+        what = ("has no config.json" if path.is_dir() else "is not a directory" if path.exists()
+                else "does not exist")
         raise ModelFileNotFoundError(f"checkpoint directory {path} {what}; pass a directory saved with "
                                      "transformers' save_pretrained (config.json + *.safetensors)")
     cfg = Fields(_json(path / "config.json"), str(path / "config.json"))

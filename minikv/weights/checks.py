@@ -9,6 +9,8 @@
 * ``check_rope_memory``: the RoPE tables a ``max_position`` sizes (from ``context_length`` or
   ``max_position_embeddings``) fit in memory, or an error naming the file's field and the largest
   value that fits, before ``Model`` builds them.
+* ``model_file``: a path given as a model file is a regular file: a FIFO or a device (``/dev/zero``)
+  would block or never end, and is named as what it is, not as "does not exist".
 * ``check_weights_memory``, ``check_layer_count``: a layer count whose weights cannot fit in memory, or
   that the file's tensors cannot back, is refused before one name per layer is built (a GGUF header
   may say ``block_count = 2^31``).
@@ -17,10 +19,12 @@
 from __future__ import annotations
 
 import numbers
+import stat
+from pathlib import Path
 
 import numpy as np
 
-from minikv.errors import ConfigError, ModelFormatError, check_float, check_int, check_memory
+from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, check_float, check_int, check_memory
 
 REQUIRED = object()  # the default of a field that must be present
 
@@ -112,3 +116,23 @@ def check_layer_count(field: str, layers: int, tensors: int, where: str) -> None
     if layers > tensors:
         raise ModelFormatError(f"{where}: {field}={layers:,} layers, but the file holds only {tensors:,} tensors "
                                "(each layer has several); the header is corrupt")
+
+
+def model_file(p: Path, origin: str, hint: str) -> Path:
+    """``p`` if it is a regular file. A missing path is ModelFileNotFoundError; anything else that is no
+    regular file (a FIFO, a character device such as ``/dev/zero``, a socket) is ModelFormatError saying what
+    it is, before a reader opens it (a FIFO blocks the open; ``/dev/zero`` reads without end)."""
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise ModelFileNotFoundError(f"model file {p} (from {origin}) does not exist.\n{hint}") from None
+    except OSError as e:
+        raise ModelFileNotFoundError(f"model file {p} (from {origin}) cannot be read ({e.strerror or e}).\n{hint}") \
+            from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise ModelFormatError(f"model file {p} (from {origin}) is {kind}, not a regular file; pass the model "
+                               "file itself (a stream cannot be memory-mapped)")
+    return p

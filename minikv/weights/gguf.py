@@ -63,7 +63,7 @@ from minikv.errors import (
     check_int,
 )
 from minikv.model import ROPE_LAYOUTS, LayerWeights, Model, ModelConfig, ModelWeights, check_weights
-from minikv.weights.checks import REQUIRED, check_finite, check_layer_count, check_rope_memory
+from minikv.weights.checks import REQUIRED, check_finite, check_layer_count, check_rope_memory, model_file
 from minikv.weights.gemma import GEMMA3_TENSORS, gemma3_options
 from minikv.weights.quants import dequantize
 from minikv.weights.rope_layouts import convert_rope_layout, permute_qk
@@ -133,9 +133,7 @@ def _existing_file(p: Path, origin: str) -> Path:
             return p / MODEL_FILENAME
         raise ModelFileNotFoundError(f"{p} (from {origin}) is a directory without {MODEL_FILENAME}; "
                                      f"pass the .gguf file itself.\n{INSTALL_HINT}")
-    if not p.is_file():
-        raise ModelFileNotFoundError(f"model file {p} (from {origin}) does not exist.\n{INSTALL_HINT}")
-    return p
+    return model_file(p, origin, INSTALL_HINT)
 
 
 def _package_folders() -> list[Path]:
