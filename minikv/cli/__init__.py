@@ -10,6 +10,7 @@ before a subcommand starts, and every refusal is one line on stderr, exit code 2
 
 from __future__ import annotations
 
+import os
 import sys
 
 from minikv.cli import bench, compare, memory, perplexity, text
@@ -36,13 +37,32 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``minikv`` with ``argv`` (default: ``sys.argv[1:]``); the exit code (2: refused input).
 
-    argparse's refusals raise ``SystemExit(2)``; refusals of values it parsed return 2.
+    argparse's refusals raise ``SystemExit(2)``; refusals of values it parsed return 2. What the streams
+    do is handled in one line too: Ctrl-C exits 130 (128 + SIGINT, as a shell reports it), a reader that
+    closed stdout (``| head -c 1``) ends the run with 141 (128 + SIGPIPE), and a stdout that cannot encode
+    some text (``PYTHONIOENCODING=ascii``) gets it escaped (``\\xe9``) rather than a traceback.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
+        args = parser.parse_args(argv)
         check_args(args)
         return int(args.func(args) or 0)
     except MinikvError as e:
-        print(f"minikv: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
-        return 2
+        return _say(f"minikv: error: {type(e).__name__}: {one_line(e)}", 2)
+    except KeyboardInterrupt:
+        return _say("minikv: interrupted (Ctrl-C); nothing was saved", 130)
+    except BrokenPipeError:
+        # the reader is gone: point stdout at /dev/null so the interpreter's last flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _say("minikv: stdout was closed by its reader (broken pipe); stopped", 141)
+
+
+def _say(line: str, code: int) -> int:
+    """Print ``line`` on stderr (if stderr itself is gone, say nothing) and return ``code``."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    return code
