@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import sys
 
-from minikv.cli import bench, compare, memory, perplexity, text
+from minikv.cli import bench, compare, memory, mpi_start, perplexity, text
 from minikv.cli.common import Parser, check_args, one_line
-from minikv.errors import MinikvError
+from minikv.errors import MinikvError, ParallelError
 
 # the order --help lists them in
 SUBCOMMANDS = [text.add_generate, text.add_demo, perplexity.add_perplexity, memory.add_memory, compare.add_compare,
@@ -46,17 +46,35 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
+        # under mpiexec: in MPI before any check, argparse's refusals raised to be agreed (minikv.cli.mpi_start)
+        Parser.raising = mpi_start.join() is not None
         args = parser.parse_args(argv)
+        if Parser.raising and not hasattr(args, "tp"):
+            raise ParallelError(f"minikv {args.command} runs in one process (it has no --tp/--cp); run it "
+                                "without mpiexec")
         check_args(args)
         return int(args.func(args) or 0)
     except MinikvError as e:
-        return _say(f"minikv: error: {type(e).__name__}: {one_line(e)}", 2)
+        return _refused(e)
     except KeyboardInterrupt:
         return _say("minikv: interrupted (Ctrl-C); nothing was saved", 130)
     except BrokenPipeError:
         # the reader is gone: point stdout at /dev/null so the interpreter's last flush cannot fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _say("minikv: stdout was closed by its reader (broken pipe); stopped", 141)
+
+
+def _refused(e: MinikvError) -> int:
+    """One line on stderr, exit 2; under mpiexec the ranks agree first and rank 0 alone prints."""
+    try:
+        mpi_start.agree(f"{type(e).__name__}: {one_line(e)}")
+    except MinikvError as agreed:
+        e = agreed
+    if mpi_start.silent_about(e):
+        return 2
+    code = _say(f"minikv: error: {type(e).__name__}: {one_line(e)}", 2)
+    mpi_start.abort_after(e)
+    return code
 
 
 def _say(line: str, code: int) -> int:

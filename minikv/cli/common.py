@@ -85,7 +85,11 @@ def dest(flag: str) -> str:
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose refusals are one line on stderr (then exit 2), never usage + traceback."""
 
+    raising = False  # under mpiexec (minikv.cli.mpi_start): raise, so that the ranks agree before one prints
+
     def error(self, message: str):
+        if Parser.raising:
+            raise InvalidInputError(f"{self.prog}: {one_line(message)} (see {self.prog} --help)")
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
