@@ -67,3 +67,16 @@ def test_ranks_that_agree_run(tiny_gguf):  # noqa: F811
     r = run_ranks([[generate(tiny_gguf), 0], [generate(tiny_gguf), 0]])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("hello")
+
+
+def test_ranks_with_another_model_file_are_refused(tiny_gguf, tmp_path):  # noqa: F811
+    from minikv.weights.random_models import random_model
+    from tests.test_gguf import TINY_TOKENS, write_tiny_gguf
+
+    other = tmp_path / "tiny.gguf"  # same shapes and name, other weights: only the checksum tells them apart
+    write_tiny_gguf(other, random_model(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4,
+                                        intermediate_size=12, vocab_size=len(TINY_TOKENS), max_position=64, seed=2))
+    r = run_ranks([[generate(tiny_gguf), 0], [generate(str(other)), 0]])
+    assert r.returncode == 2
+    (line,) = errors(r.stderr)
+    assert "rank(s) 1 of 2 run with other model (config or weights) than rank 0" in line

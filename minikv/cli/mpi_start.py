@@ -71,9 +71,11 @@ def timeout_s() -> float:
 
 
 def digest(args, model) -> tuple[str, str]:
-    """(arguments, model) digests: the parsed flags, and the config with a checksum of every weight (its
-    float64 sum and a strided sample of its bytes: one pass, and a different file cannot match)."""
-    flags = {k: v for k, v in sorted(vars(args).items()) if k != "func"}
+    """(arguments, model) digests: the parsed flags but --model's path, and the config with a checksum of
+    every weight (its float64 sum and every 97th value's bytes: one cheap pass; weights that differ
+    almost surely change the sum, though the checksum is no proof of equality)."""
+    # --model's path may differ between nodes (a local copy each): the model is compared by its content
+    flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("func", "model")}
     h_args = hashlib.sha256(json.dumps(flags, sort_keys=True, default=repr).encode()).hexdigest()[:16]
     h = hashlib.sha256(repr(model.config).encode())
     w = model.weights
