@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 
 class MinikvError(Exception):
@@ -122,6 +123,43 @@ def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigEr
     return val
 
 
+# --- memory: the one check before an allocation a user's number sizes ------------------------
+
+def available_memory_bytes() -> int | None:
+    """RAM the system can give without swapping: /proc/meminfo's MemAvailable, else physical RAM, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(name: str, value: int, unit_bytes, *, what: str, fixed: int = 0, have: int | None = None,
+                 error: type[MinikvError] = ConfigError, hint: str = "") -> None:
+    """Refuse, before allocating it, what ``value`` units of ``unit_bytes`` bytes each (plus ``fixed``) would take
+    when that is more than the memory available now (``have``, default ``available_memory_bytes()``).
+
+    ``error`` names ``name`` (the flag, argument or file field that sized it), the bytes, and the largest
+    value that fits. Python integers throughout: a product of counts never overflows. No answer about the
+    memory (``have`` unknown): nothing is refused.
+    """
+    have = available_memory_bytes() if have is None else have
+    unit = math.ceil(unit_bytes)
+    need = fixed + int(value) * unit
+    if have is None or need <= have:
+        return
+    largest = max(have - fixed, 0) // unit if unit else 0
+    fix = f"; {hint}" if hint else ""
+    raise error(f"{name}={value:,} needs {need:,} bytes for {what}, but only {have:,} are available; the largest "
+                f"{name} that fits is {largest:,}{fix}")
+
+
 # --- parallel runs (minikv.parallel) -----------------------------------------------
 
 class ParallelError(MinikvError, RuntimeError):
@@ -130,6 +168,10 @@ class ParallelError(MinikvError, RuntimeError):
 
 class RankFailedError(ParallelError):
     """Another rank failed a step; every other rank raises this instead of waiting in a collective."""
+
+
+class CollectiveTimeoutError(ParallelError):
+    """A rank waited in a collective longer than the watchdog allows: the message names the silent rank(s)."""
 
 
 # --- rollback (speculative decoding) -------------------------------------------------

@@ -14,14 +14,20 @@ the one sampler, for this loop and for a scheduler's per-sequence rows alike.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import ConfigError, InvalidInputError, check_choice, check_int
+from minikv.errors import (  # noqa: F401  (available_memory_bytes: re-exported, patched by tests)
+    ConfigError,
+    InvalidInputError,
+    available_memory_bytes,
+    check_choice,
+    check_int,
+    check_memory,
+)
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 from minikv.paged.allocator import num_blocks_for
@@ -179,19 +185,33 @@ def cache_kind(kind: str) -> CacheKind:
     return spec
 
 
-def available_memory_bytes() -> int | None:
-    """RAM the system can give without swapping: /proc/meminfo's MemAvailable, else physical RAM, else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int,
+                        block_size, eviction: dict | None) -> None:
+    """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, before it is
+    built, naming what sizes it: max_len (or block_size, when one block outgrows the sequence), or an
+    evicting cache's window / budget. A quantized cache counts its full-precision pool alone."""
+    per_token, ev = bytes_per_token(args, dtype), eviction or {}
+    if spec.evicts:  # each slot also keeps its position, score and count (int64, float64, int64)
+        per_token += 24 * args["num_layers"] * args.get("num_kv_heads", 1)
+        if ev.get("layout", "contiguous") != "paged":
+            name = "window" if kind == "window" else "budget"
+            if isinstance(ev.get(name), int) and not isinstance(ev.get(name), bool):  # else the policy refuses it
+                check_memory(name, ev[name], per_token * max_seqs, have=available_memory_bytes(),
+                             what=f"a {kind} cache of {max_seqs} sequence(s) (K, V and bookkeeping per slot)",
+                             hint=f"the --{name} flag sets it")
+            return
+        slots = _paged_blocks(max_len, max_seqs, block_size) * block_size
+    else:
+        slots = spec.slots(max_len, max_seqs, block_size)
+    if slots == 0:
+        return
+    if block_size is not None and slots > max_seqs * max_len and block_size > max_len:
+        name, value, fixed = "block_size", block_size, 0  # one block per sequence, bigger than the sequence
+    else:
+        name, value, fixed = "max_len", max_len, (slots - max_seqs * max_len) * per_token
+    check_memory(name, value, per_token * max_seqs, fixed=fixed, have=available_memory_bytes(),
+                 what=f"a {kind} cache of {max_seqs} x {max_len} tokens (K and V)",
+                 hint="lower max_len (max_new_tokens), max_seqs or block_size")
 
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
@@ -223,7 +243,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
     dtype = model.dtype if dtype is None else dtype
     args = model.new_cache_args()
-    per_token, quant = bytes_per_token(args, dtype), {}
+    quant = {}
     if kv_dtype not in (None, "fp32"):
         from minikv.quant.formats import is_kivi
 
@@ -232,11 +252,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
         if is_kivi(kv_dtype):
             block_size = check_int("residual", residual, hint="KIVI's full-precision tokens, e.g. 128")
         quant = dict(kv_dtype=kv_dtype, group=group)
-    need = spec.slots(max_len, max_seqs, block_size) * per_token  # quantized: its residual pool alone
-    have = available_memory_bytes()
-    if have is not None and need > have:
-        raise ConfigError(f"a {kind} cache of {max_seqs} x {max_len} tokens needs {need:,} bytes of K and V but "
-                          f"only {have:,} are available; lower max_len (max_new_tokens) or max_seqs")
+    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction)
     if any(w is not None for w in model.config.layer_windows):  # step 9: sliding layers get their own caches
         from minikv.hybrid import hybrid_cache
 

@@ -50,6 +50,7 @@ from minikv.errors import (
     ShapeError,
     UnknownSequenceError,
     check_int,
+    check_memory,
 )
 
 CACHE_DTYPES = (np.float64, np.float32, np.float16)
@@ -63,14 +64,20 @@ class Step:
     num_new:   [B] new tokens per sequence in this step
     past:      [B] tokens each sequence had cached before this step
     offsets:   [B+1] sequence i owns packed rows ``offsets[i]:offsets[i+1]``
-    positions: [N] absolute position of every packed token (past + 0, 1, ...)
+    positions: [N] absolute position of every packed token (past + 0, 1, ...), built on first use (after
+               the cache has checked that the step fits, so a huge ``num_new`` is refused before it is built)
     """
 
     seq_ids: tuple
     num_new: np.ndarray
     past: np.ndarray
     offsets: np.ndarray
-    positions: np.ndarray
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        check_memory("num_new", int(self.num_new.sum()), 32, what="the step's positions and slot maps",
+                     error=InvalidInputError)
+        return np.concatenate([np.arange(p, p + n) for p, n in zip(self.past, self.num_new)])
 
     @property
     def num_tokens(self) -> int:
@@ -81,22 +88,18 @@ class Step:
 
 
 def make_step(seq_ids: Sequence, num_new: Sequence[int], past: Sequence[int]) -> Step:
-    """Build a ``Step``, validating ``num_new`` (every sequence brings >= 1 token)."""
+    """Build a ``Step``, validating ``num_new`` (every sequence brings 1 .. 2^31 - 1 tokens, as integers)."""
     seq_ids = tuple(seq_ids)
-    num_new = np.asarray(num_new, dtype=np.int64).reshape(-1)
     if len(seq_ids) == 0:
         raise InvalidInputError("a step needs at least one sequence; got seq_ids=()")
     if len(set(seq_ids)) != len(seq_ids):
         raise InvalidInputError(f"seq_ids={seq_ids} repeats a sequence; pass each sequence once per step")
-    if num_new.shape != (len(seq_ids),):
-        raise ShapeError(f"num_new has {num_new.size} entries for {len(seq_ids)} sequences; give one count each")
-    if np.any(num_new < 1):
-        raise InvalidInputError(f"num_new={num_new.tolist()}: every sequence in a step must bring at least "
-                                "one token (an empty prompt has nothing to attend to)")
-    past = np.asarray(past, dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(num_new)])
-    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, num_new)])
-    return Step(seq_ids, num_new, past, offsets, positions)
+    counts = np.ravel(np.asarray(num_new, dtype=object))
+    if counts.shape != (len(seq_ids),):
+        raise ShapeError(f"num_new has {counts.size} entries for {len(seq_ids)} sequences; give one count each")
+    num_new = np.array([check_int("num_new", n, maximum=2**31 - 1, error=InvalidInputError, hint="every sequence "
+                                  "in a step brings at least one token") for n in counts], dtype=np.int64)
+    return Step(seq_ids, num_new, np.asarray(past, dtype=np.int64), np.concatenate([[0], np.cumsum(num_new)]))
 
 
 def lookup_sequence(table: dict, seq_id):
@@ -129,7 +132,11 @@ def _after_write(fn):
     takes_options = "sinks" in inspect.signature(fn).parameters
 
     @functools.wraps(fn)
-    def attend(self, layer, *args, **kwargs):
+    def attend(self, layer, q, *args, **kwargs):
+        if getattr(q, "ndim", None) == 3 and (q.dtype.kind != "f" or q.shape[1] % self.num_kv_heads):
+            raise (ShapeError if q.dtype.kind == "f" else DTypeError)(
+                f"q: {q.dtype} [N, Hq={q.shape[1]}, D]; pass floating-point queries, Hq a multiple of the "
+                f"{self.num_kv_heads} KV heads")
         if not takes_options and any(kwargs.get(o) is not None for o in ("sinks", "softcap")):
             raise ConfigError(f"{type(self).__name__} does not apply learned sinks or logit soft-capping; this "
                               "model needs them: use a contiguous, paged or hybrid cache (or 'none')")
@@ -139,10 +146,22 @@ def _after_write(fn):
             if layer not in self._written:
                 raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step; "
                                         "each layer writes its K/V, then attends")
-        return fn(self, layer, *args, **kwargs)
+        return fn(self, layer, q, *args, **kwargs)
 
     attend._seam_rule = True
     return attend
+
+
+def _outside_step(fn):
+    """Wrap a cache's ``free_sequence``: refused while a step is open (the step would commit into freed rows)."""
+    @functools.wraps(fn)
+    def free_sequence(self, seq_id, *args, **kwargs):
+        if getattr(self, "_step", None) is not None:
+            raise InvalidInputError(f"free_sequence({seq_id!r}) while a step is open; free it once the step ended")
+        return fn(self, seq_id, *args, **kwargs)
+
+    free_sequence._seam_rule = True
+    return free_sequence
 
 
 class KVCacheBase:
@@ -174,7 +193,7 @@ class KVCacheBase:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name, wrap in (("write", _records_write), ("attend", _after_write)):
+        for name, wrap in (("write", _records_write), ("attend", _after_write), ("free_sequence", _outside_step)):
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "_seam_rule", False):
                 setattr(cls, name, wrap(fn))
@@ -350,8 +369,7 @@ class NoCache(KVCacheBase):
 
     def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
                softcap: float | None = None) -> np.ndarray:
-        self._check_layer(layer)
-        step = self._require_step()
+        step = self._check_query(layer, q)
         if self._k[layer] is None:
             raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
         out = np.empty_like(q)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minikv.errors import ConfigError, check_choice, check_int
+from minikv.errors import check_choice, check_float, check_int
 
 ROPE_LAYOUTS = ("interleaved", "half")
 
@@ -105,8 +105,12 @@ class YarnConfig:
     truncate: bool = True
 
     def __post_init__(self):
-        if not self.factor > 0:
-            raise ConfigError(f"yarn factor={self.factor!r} must be positive")
+        # every float the tables use: finite (inf or NaN would fill cos/sin with NaN), positive where it
+        # divides or scales; mscale and mscale_all_dim only need to be finite
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            val = getattr(self, name)
+            if val is not None:
+                object.__setattr__(self, name, check_float(f"yarn {name}", val, positive=not name.startswith("m")))
         check_int("yarn original_max_position", self.original_max_position)
 
     @property

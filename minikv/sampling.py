@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minikv.errors import InvalidInputError, ShapeError, check_int
+from minikv.errors import InvalidInputError, ShapeError, check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise InvalidInputError(f"temperature={self.temperature}; it must be > 0 (use greedy=True for argmax)")
+        check_float("temperature", self.temperature, error=InvalidInputError, hint="use greedy=True for argmax")
         check_int("top_k", self.top_k, minimum=0, error=InvalidInputError, hint="use 0 (off) or a positive integer")
-        if not 0 < self.top_p <= 1:
+        top_p = check_float("top_p", self.top_p, error=InvalidInputError, hint="it must lie in (0, 1]")
+        if top_p > 1:
             raise InvalidInputError(f"top_p={self.top_p}; it must lie in (0, 1]")
         if self.seed is not None:
             check_int("seed", self.seed, minimum=0, error=InvalidInputError, hint="or None for a fresh seed")
@@ -58,15 +58,22 @@ def sample(logits: np.ndarray, params: SamplingParams = GREEDY, rng: np.random.G
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.size == 0:
         raise ShapeError(f"logits.shape={logits.shape}; sample one sequence's row of logits [V] at a time")
+    if logits.dtype.kind != "f" or not np.isfinite(logits).all():
+        bad = "not floats" if logits.dtype.kind != "f" else f"{int(np.sum(~np.isfinite(logits)))} NaN or inf"
+        raise InvalidInputError(f"the logits hold {bad} values: the model's weights or activations overflowed "
+                                "(check the weights for NaN or huge values), so no token can be picked")
     if params.greedy:
         return int(np.argmax(logits))
     if rng is None:
         raise InvalidInputError("sampling needs rng=params.new_rng(), made once per sequence (greedy needs none)")
-    z = logits.astype(np.float64) / params.temperature  # float64: the cumulative sum below must not drift
+    # float64 (the cumulative sum below must not drift); the max is taken out before dividing, so a tiny
+    # temperature sends every other logit to -inf and the top one to 0 (never inf - inf = NaN)
+    with np.errstate(over="ignore"):
+        z = (logits.astype(np.float64) - float(logits.max())) / params.temperature
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
+    p = np.exp(z)
     p /= p.sum()
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")

@@ -324,10 +324,12 @@ def test_cli_refuses_a_world_that_is_not_tp_ranks_on_every_rank(checkpoints):
     gen = ["generate", "--model", str(checkpoints["llama"]), "--prompt-ids", "1,2"]
     r = _cli(2, *gen, "--tp", "3")
     assert r.returncode == 2
-    assert r.stderr.count("minikv: error: ParallelError: tp=3 x cp=1 needs 3 MPI ranks, but this run has 2") == 2
+    # every rank refuses the same way; rank 0 alone prints it (issue 25)
+    assert r.stderr.count("minikv: error: ParallelError: tp=3 x cp=1 needs 3 MPI ranks, but this run has 2") == 1
     r = _cli(2, *gen)  # mpiexec without --tp: two copies of one run would each print
     assert r.returncode == 2
-    assert r.stderr.count("ParallelError: this command runs on 2 MPI ranks but has no --tp or --cp; pass --tp 2") == 2
+    assert r.stderr.count("ParallelError: this command runs on 2 MPI ranks but has no --tp or --cp; pass --tp 2") == 1
+    assert r.stderr.count("minikv: error") == 1 and "rank 0 of 2 refused" in r.stderr
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "minikv", *gen, "--tp", "2"], capture_output=True, text=True, env=env,
                        timeout=120)  # no mpiexec: a world of one

@@ -337,3 +337,34 @@ def test_chunked_prefill_gives_the_tokens_of_whole_prompts(kv):
     whole = Scheduler(M64, qcache(M64, kv, bs=4)).run(REQUESTS)
     chunked = Scheduler(M64, qcache(M64, kv, bs=4), max_step_tokens=5).run(REQUESTS)
     assert chunked == whole
+
+
+@pytest.mark.parametrize("kv", ["int8", "kivi2", "fp8"])
+def test_a_failed_step_keeps_the_rows_truncate_needs(kv):
+    """Issue 25: a step that fails used to clear the full-precision rows the step before it kept, so a
+    truncate into that step's tokens was refused (RollbackError) although nothing had changed."""
+    from minikv.errors import InvalidInputError
+
+    def new():
+        c = QuantizedPagedKVCache(2, 2, 32, num_blocks=16, block_size=4, dtype=np.float64, kv_dtype=kv, group=4)
+        c.add_sequence(0)
+        return c
+
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal((n, 2, 32)) for n in (3, 6, 2)]
+    got, ref = new(), new()
+    for c in (got, ref):
+        for k in rows[:2]:  # the second step fills (and quantizes) block 1
+            with c.step([0], [len(k)]):
+                for layer in range(2):
+                    c.write(layer, k, k)
+    with pytest.raises(InvalidInputError, match="wrote no K/V"):  # a step that fails: only layer 0 wrote
+        with got.step([0], [2]):
+            got.write(0, rows[2], rows[2])
+    for c in (got, ref):
+        c.truncate(0, 5)  # back into block 1, which the last committed step quantized
+    assert got.length(0) == ref.length(0) == 5
+    for layer in range(2):
+        for pool in ("k_pool", "v_pool"):
+            t_got, t_ref = got.blocks.table(0)[-1], ref.blocks.table(0)[-1]
+            assert np.array_equal(getattr(got, pool)[layer, t_got, :1], getattr(ref, pool)[layer, t_ref, :1])

@@ -31,6 +31,7 @@ from minikv.costs import get_preset, kv_bytes_per_token, param_count, weights_by
 from minikv.errors import check_choice, check_int
 from minikv.generate import paged_cache
 from minikv.paged.allocator import num_blocks_for
+from minikv.paged.cache import check_pool_memory
 from minikv.scheduler import Request, Scheduler
 from minikv.tiers.scheduling import OffloadPolicy
 from minikv.tiers.tier import LINKS, OffloadTier
@@ -140,14 +141,21 @@ def _side(stats, policy: OffloadPolicy) -> dict:
 
 
 def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, host_blocks: int = 64,
-                      block_size: int = 16, link: str = "pcie5", max_step_tokens: int = 128) -> dict:
-    """Run the trace: unlimited pool (reference), small pool alone, small pool + tier per policy."""
+                      block_size: int = 16, link: str = "pcie5", max_step_tokens: int = 128,
+                      names: dict | None = None) -> dict:
+    """Run the trace: unlimited pool (reference), small pool alone, small pool + tier per policy.
+
+    Every pool is checked against the memory available before the first run (``names``: the flags that
+    set ``block_size``, ``num_blocks`` (device_blocks) and ``num_host_blocks``, for the refusal)."""
     check_int("device_blocks", device_blocks)
     check_int("host_blocks", host_blocks)
     check_choice("link", link, tuple(LINKS))
     model = random_model(vocab_size=trace.vocab_size, max_position=trace.max_len() + 1, seed=trace.seed,
                          dtype=np.float64)
     args, priced = model.new_cache_args(), priced_model()
+    unlimited = trace.conversations * num_blocks_for(trace.max_len(), check_int("block_size", block_size)) + 1
+    check_pool_memory(**args, num_blocks=max(unlimited, device_blocks), block_size=block_size, dtype=np.float64,
+                      num_host_blocks=host_blocks, names=names)
     block_bytes = priced["kv_bytes_per_token"] * block_size
     compute_s = step_seconds(priced)
 
@@ -161,7 +169,6 @@ def offload_benchmark(trace: ChatTrace = ChatTrace(), device_blocks: int = 48, h
             tier.finish()
         return outputs, _side(sched.stats, pol)
 
-    unlimited = trace.conversations * num_blocks_for(trace.max_len(), block_size) + 1
     reference, _ = run(unlimited, None)
     device_outputs, device_only = run(device_blocks, None)
     policies, identical = {}, device_outputs == reference

@@ -64,7 +64,9 @@ def _bench_offload(args) -> int:
               hint=f"the trace's longest request ({trace.max_len()} tokens) needs {need} blocks of --block-size")
     check_int("--host-blocks", args.host_blocks, error=InvalidInputError, hint="the tier needs a host pool")
     res = offload_benchmark(trace, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                            block_size=args.block_size, link=args.link)
+                            block_size=args.block_size, link=args.link,
+                            names={"block_size": "--block-size", "num_blocks": "--device-blocks",
+                                   "num_host_blocks": "--host-blocks"})
     print(format_offload(res))
     print(describe(machine_info()))
     if args.json:

@@ -88,7 +88,11 @@ def dest(flag: str) -> str:
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose refusals are one line on stderr (then exit 2), never usage + traceback."""
 
+    raising = False  # under mpiexec (minikv.cli.mpi_start): raise, so that the ranks agree before one prints
+
     def error(self, message: str):
+        if Parser.raising:
+            raise InvalidInputError(f"{self.prog}: {one_line(message)} (see {self.prog} --help)")
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
@@ -116,12 +120,27 @@ def check_args(args: argparse.Namespace) -> None:
         if val is not None:
             _check_float(flag, val, *rule)
     for flag in TEXT_FLAGS:
-        if getattr(args, dest(flag), None) == "":
+        val = getattr(args, dest(flag), None)
+        if val == "":
             raise InvalidInputError(f"{flag} is empty; give some text")
+        if isinstance(val, str):
+            check_utf8(val, flag)
     for flag in IDS_FLAGS:
         val = getattr(args, dest(flag), None)
         if isinstance(val, str):
             setattr(args, dest(flag), parse_ids(val, flag))
+
+
+def check_utf8(text: str, where: str) -> str:
+    """``text`` if it came from valid UTF-8: Python hands bytes that are not UTF-8 in ``argv`` over as lone
+    surrogates (U+DC80..U+DCFF), which no tokenizer can encode; refused naming the first such byte."""
+    bad = re.search("[\ud800-\udfff]", text)
+    if bad:
+        byte = ord(bad.group()) - 0xDC00 if 0xDC80 <= ord(bad.group()) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"a lone surrogate U+{ord(bad.group()):04X}"
+        raise InvalidInputError(f"{where} is not UTF-8 text ({what} at character {bad.start()}); pass UTF-8 "
+                                "(check the terminal's encoding, e.g. LANG=C.UTF-8)")
+    return text
 
 
 _ID_SEPARATOR = re.compile(r"\s*,\s*|\s+")
@@ -158,12 +177,15 @@ def check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
     return ids
 
 
-def read_input_file(path: str, flag: str) -> str:
+def read_input_file(path: str, flag: str, limit: int | None = None):
     """The UTF-8 text of the file ``path`` given to ``flag``; InvalidInputError naming both otherwise.
 
     Refused: a missing path, a directory or other non-regular file (a FIFO or a device
     could block or never end), a file over ``MAX_INPUT_FILE_BYTES``, text that is not UTF-8,
-    and a file with nothing but whitespace.
+    and a file with nothing but whitespace. With ``limit`` (bytes) only a head is read:
+    returns ``(text, complete)``, the head cut after its last line end (a character is never
+    split) and whether it is the whole file; the size and blank checks then apply to the whole
+    file only.
     """
     where = f"{flag}={path!r}"
     if not os.path.exists(path):
@@ -174,18 +196,33 @@ def read_input_file(path: str, flag: str) -> str:
         raise InvalidInputError(f"{where} is not a regular file; pass a file")
     try:
         size = os.path.getsize(path)
-        if size > MAX_INPUT_FILE_BYTES:
+        if size > MAX_INPUT_FILE_BYTES and (limit is None or limit >= size):
             raise InvalidInputError(f"{where} has {size:,} bytes, over the {MAX_INPUT_FILE_BYTES:,} read at most; "
                                     "pass a shorter slice")
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read(size if limit is None else limit)
+        complete = len(data) >= size
+        if not complete:
+            data = data[: data.rindex(b"\n") + 1] if b"\n" in data else _whole_characters(data)
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInputError(f"{where} is not UTF-8 text (byte {e.start}); pass a UTF-8 file") from e
     except OSError as e:
         raise InvalidInputError(f"{where}: cannot read it ({e.strerror or e}); pass a readable file") from e
-    if not text.strip():
+    if complete and not text.strip():
         raise InvalidInputError(f"{where} is empty; it needs some content")
-    return text
+    return text if limit is None else (text, complete)
+
+
+def _whole_characters(data: bytes) -> bytes:
+    """``data`` without a UTF-8 character cut at its end (at most 3 bytes of one)."""
+    for cut in range(min(3, len(data)) + 1):
+        try:
+            (data[: len(data) - cut]).decode("utf-8")
+            return data[: len(data) - cut]
+        except UnicodeDecodeError:
+            continue
+    return data  # invalid before the end: decoding it names the byte
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -327,4 +364,5 @@ def print_json(obj: dict) -> None:
     """The machine-readable summary: always one JSON line, printed last."""
     import json
 
-    print(json.dumps(obj, ensure_ascii=False))
+    # JSON escapes (\\u00e9) keep the line valid on a stdout that cannot encode the text
+    print(json.dumps(obj, ensure_ascii=(getattr(sys.stdout, "encoding", "") or "").lower() not in ("utf-8", "utf8")))

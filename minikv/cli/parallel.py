@@ -9,10 +9,11 @@ but for their errors). The library side is ``minikv.parallel``.
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
-from minikv.errors import ConfigError, ParallelError
+from minikv.cli import mpi_start
+from minikv.cli.mpi_start import launched_ranks
+from minikv.errors import ConfigError, MinikvError, ParallelError
 
 
 def add_parallel_flags(p) -> None:
@@ -24,16 +25,12 @@ def add_parallel_flags(p) -> None:
                         "on rank p mod CP); with --tp the world is TP x CP ranks")
 
 
-def launched_ranks() -> int:
-    """How many ranks mpiexec started, from its environment (MPICH's PMI_SIZE, Open MPI's), without MPI."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
-
-
 def runner_of(args, model):
-    """``model`` itself without --tp/--cp, else this rank's ``minikv.parallel.tensor.ParallelModel``."""
+    """``model`` itself without --tp/--cp, else this rank's ``minikv.parallel.tensor.ParallelModel``, built
+    once the ranks agreed that none refused and all parsed the same arguments and model
+    (``minikv.cli.mpi_start.agree``, before the first collective)."""
+    if launched_ranks() > 1 and (args.tp is not None or args.cp is not None):
+        mpi_start.agree(None, mpi_start.digest(args, model))
     if args.tp is None and args.cp is None:
         if launched_ranks() > 1:  # P copies of one run would each print, and compute everything P times
             raise ParallelError(f"this command runs on {launched_ranks()} MPI ranks but has no --tp or --cp; pass "
@@ -41,7 +38,12 @@ def runner_of(args, model):
         return model
     from minikv.parallel.tensor import from_flags
 
-    return from_flags(model, args.tp, args.cp)
+    try:
+        return from_flags(model, args.tp, args.cp)
+    except MinikvError as e:
+        # the ranks agreed on the same arguments and model, so each one refuses the same way: rank 0 prints
+        e.startup_agreed = launched_ranks() > 1
+        raise
 
 
 def is_parallel(runner) -> bool:

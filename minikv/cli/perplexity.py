@@ -73,7 +73,7 @@ def _eval_ids(args, model, tok, ids) -> tuple[list[int], str]:
     where = f"--ids-file={args.ids_file!r}" if args.ids_file is not None else f"--text-file={args.text_file!r}"
     if ids is None:  # a text file: encoded now that the tokenizer is known
         require_tokenizer(tok, "--text-file", "--ids-file FILE (token ids) instead")
-        ids = tok.encode(args.text)
+        ids = tok.encode(args.text) if args.max_tokens is None else _encode_head(args, tok)
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     _check_counts(len(ids), args, where)
@@ -83,6 +83,23 @@ def _eval_ids(args, model, tok, ids) -> tuple[list[int], str]:
         raise InvalidInputError(f"{where} gives {len(ids)} tokens, past the model's context of max_position="
                                 f"{context}; use --max-tokens {context + 1} or fewer")
     return ids, where
+
+
+# tokens encoded past --max-tokens before the cut: a cut at a line end can change only the last few tokens
+_CUT_MARGIN = 64
+
+
+def _encode_head(args, tok) -> list[int]:
+    """The first --max-tokens ids of --text-file, reading and encoding only a head of the file: it grows
+    fourfold (from 16 bytes per token) until its ids pass --max-tokens by a margin or the file ends. The
+    head ends at a line end, so its ids are those of the whole file up to the margin."""
+    need, limit = args.max_tokens + _CUT_MARGIN, 16 * (args.max_tokens + _CUT_MARGIN)
+    while True:
+        text, complete = read_input_file(args.text_file, "--text-file", limit=limit)
+        ids = tok.encode(text)
+        if complete or len(ids) >= need:
+            return ids[: args.max_tokens]
+        limit *= 4
 
 
 def _lossy_factory(args, model):
@@ -145,8 +162,11 @@ def _run_perplexity(args) -> int:
     if args.ids_file is not None:
         ids = parse_ids(read_input_file(args.ids_file, "--ids-file"), f"--ids-file={args.ids_file!r}")
         _check_counts(len(ids[: args.max_tokens]), args, f"--ids-file={args.ids_file!r}")
-    else:
-        args.text = read_input_file(args.text_file, "--text-file")
+    else:  # with --max-tokens only a head is read here, to check it; _encode_head reads what it needs
+        if args.max_tokens is None:
+            args.text = read_input_file(args.text_file, "--text-file")
+        else:
+            read_input_file(args.text_file, "--text-file", limit=16 * (args.max_tokens + _CUT_MARGIN))
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
     factory = _lossy_factory(args, model)
@@ -169,13 +189,25 @@ def _run_perplexity(args) -> int:
 
 
 def _check_out_path(path: str) -> None:
-    """Refuse an --nll-file that cannot be written (before the long run, not after it)."""
+    """Refuse an --nll-file that cannot be written, before the long run (not after it): a directory, a
+    missing folder, something that is no regular file (a FIFO, /dev/full), or a path that cannot be opened
+    for writing (a read-only place such as /proc). A file the check creates is removed again."""
     import os
+    import stat
 
-    folder = os.path.dirname(os.path.abspath(path)) if path else ""
-    if not path or os.path.isdir(path) or not os.path.isdir(folder):
-        raise InvalidInputError(f"--nll-file={path!r} is not a writable file path (a directory, or its folder "
-                                "does not exist); give a file name such as nll.json")
+    where = f"--nll-file={path!r}"
+    if not path or os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise InvalidInputError(f"{where} is not a writable file path (a directory, or its folder does not "
+                                "exist); give a file name such as nll.json")
+    existed = os.path.lexists(path)
+    if existed and not stat.S_ISREG(os.stat(path).st_mode):
+        raise InvalidInputError(f"{where} exists and is not a regular file; give a file name such as nll.json")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644))
+    except OSError as e:
+        raise InvalidInputError(f"{where} cannot be written ({e.strerror or e}); pick a writable path") from e
+    if not existed:
+        os.remove(path)
 
 
 def _write_curve(path: str, curve: dict, res: dict) -> None:

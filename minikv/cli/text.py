@@ -19,7 +19,7 @@ from minikv.cli.common import (
 )
 from minikv.cli.parallel import add_parallel_flags, guard, json_fields, runner_of
 from minikv.errors import InvalidInputError
-from minikv.generate import CACHE_KINDS
+from minikv.generate import CACHE_KINDS, EVICTION_KINDS
 from minikv.speculative import SPECULATIVE_KINDS
 
 
@@ -66,8 +66,9 @@ class _IdPrinter:
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's ids; with ``chat`` in the chat template, the prompt's text kept as text (``encode_chat``)."""
     if chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(prompt)
 
 
@@ -77,7 +78,11 @@ def prompt_ids_of(args, model, tok, chat: bool) -> list[int]:
     if args.prompt_ids is not None:
         return check_ids(args.prompt_ids, model.config.vocab_size, "--prompt-ids")
     require_tokenizer(tok, "--prompt", "--prompt-ids 1,2,3 (token ids) instead")
-    return encode_prompt(tok, args.prompt, chat)
+    ids = encode_prompt(tok, args.prompt, chat)
+    if not ids:  # refused before the prompt is echoed or anything runs
+        raise InvalidInputError(f"--prompt={args.prompt[:40]!r} encodes to no tokens with this model's tokenizer "
+                                "(only characters its vocabulary lacks); give text it can encode, or --prompt-ids")
+    return ids
 
 
 def cache_bytes_per_token(model, cache: str, block_size: int, **quant) -> float:
@@ -124,6 +129,9 @@ def _run_generate(args) -> int:
     if args.speculative is not None and (args.tp is not None or args.cp is not None):
         raise InvalidInputError("--speculative runs in one process (its rollback is per cache); drop --tp/--cp "
                                 "or --speculative")
+    if args.speculative is not None and args.cache in EVICTION_KINDS:  # refused before the model loads
+        raise InvalidInputError(f"--speculative rolls rejected drafts back, and --cache {args.cache} evicts tokens "
+                                "a rollback would need; use --cache contiguous or paged with --speculative")
     if args.chat and args.prompt_ids is not None:  # refused before the model loads
         raise InvalidInputError("--chat wraps --prompt text in the chat template; with --prompt-ids give the "
                                 "ids of the whole templated prompt and drop --chat")

@@ -87,9 +87,9 @@ def _model_rates(s: ModelShape) -> dict:
     """``_layer_rates`` summed over all layers."""
     s.need("hidden_size", "num_heads", "intermediate_size", "vocab_size", "head_dim", what="FLOPs")
     total = dict.fromkeys(FLOP_PARTS + ("scores_latent", "weighted_v_latent", "latent_up"), 0)
-    for layer in range(s.num_layers):
+    for layer, count in s.layer_runs():
         for k, v in _layer_rates(s, layer).items():
-            total[k] += v
+            total[k] += v * count
     return total
 
 
@@ -230,12 +230,24 @@ def generation_flops(shape: ModelShape, prompt_len: int, new_tokens: int, cache:
     if new_tokens == 0:
         return 0
     rates = _model_rates(shape)
-    if cache:
-        passes = [(prompt_len, 0)] + [(1, prompt_len + k - 1) for k in range(1, new_tokens)]
-    else:
-        passes = [(prompt_len + k, 0) for k in range(new_tokens)]
     form = "auto" if cache else "expanded"
-    return sum(_forward(rates, shape, n, past, 1, dense_mask, form)["total"] for n, past in passes)
+
+    def flops(n, past):
+        return _forward(rates, shape, n, past, 1, dense_mask, form)["total"]
+
+    if cache:
+        return flops(prompt_len, 0) + _series(lambda k: flops(1, prompt_len + k), new_tokens - 1)
+    return _series(lambda k: flops(prompt_len + k, 0), new_tokens)
+
+
+def _series(term, count: int) -> int:
+    """``sum(term(k) for k in range(count))`` in closed form, for a ``term`` that is a polynomial of degree
+    at most 2 in k (a pass's FLOPs are: keys grow as n past + n (n + 1) / 2). Newton's forward differences:
+    sum = count t0 + C(count, 2) d1 + C(count, 3) d2, exact in integers, so a 2^31-token generation costs
+    three evaluations instead of 2^31 passes."""
+    t0, t1, t2 = (term(k) for k in range(3))
+    d1, d2 = t1 - t0, t2 - 2 * t1 + t0
+    return count * t0 + count * (count - 1) // 2 * d1 + count * (count - 1) * (count - 2) // 6 * d2
 
 
 def cache_speedup(shape: ModelShape, prompt_len: int, new_tokens: int, dense_mask: bool = False) -> float:

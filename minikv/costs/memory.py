@@ -156,7 +156,7 @@ def param_count(shape: ModelShape, active: bool = False) -> dict:
         "embedding": s.vocab_size * h,
         "positions": s.learned_positions * h,
         "attention": s.num_layers * _attention_params(s),
-        "mlp": sum(_mlp_params(s, layer, active) for layer in range(s.num_layers)),
+        "mlp": sum(_mlp_params(s, layer, active) * count for layer, count in s.layer_runs()),
         "norms": (2 * s.num_layers + 1) * norm_vec,
         "lm_head": 0 if s.tie_embeddings else s.vocab_size * h,
     }

@@ -171,6 +171,12 @@ class ModelShape:
         """Whether layer ``layer`` (0-based) routes to experts rather than a dense MLP."""
         return self.is_moe and layer >= self.first_dense_layers
 
+    def layer_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(first layer, count)`` of each run of layers with one MLP kind (dense, then MoE), so that a
+        per-layer sum is a few products, never a loop over ``num_layers`` (a flag may give 2^31 - 1)."""
+        dense = self.first_dense_layers if self.is_moe else self.num_layers
+        return tuple((first, count) for first, count in ((0, dense), (dense, self.num_layers - dense)) if count)
+
 
 
 

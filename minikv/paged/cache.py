@@ -32,12 +32,33 @@ from typing import Sequence
 
 import numpy as np
 
-from minikv.errors import check_int
+from minikv.errors import check_int, check_memory
 from minikv.kv_cache import KVCacheBase, Step
 from minikv.paged.allocator import HashFn, num_blocks_for
 from minikv.paged.attention import paged_attention, slot_mapping
 from minikv.paged.manager import BlockManager
 from minikv.paged.truncate import truncate_table
+
+# what one block costs in Python besides its K/V numbers: a ``Block`` object and its place in the free list
+BLOCK_BOOKKEEPING_BYTES = 256
+
+
+def check_pool_memory(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks, block_size, dtype,
+                      num_host_blocks=0, names: dict | None = None) -> None:
+    """Refuse (ConfigError) pools that would not fit in the memory available now, before anything per block
+    is built, naming the argument that outgrew it: ``block_size`` (one block alone), then ``num_blocks``,
+    then ``num_host_blocks`` on top of the device pool. ``names`` maps those arguments to what the user
+    typed (a CLI flag)."""
+    names = {"block_size": "block_size", "num_blocks": "num_blocks", "num_host_blocks": "num_host_blocks",
+             **(names or {})}
+    block_size, num_blocks = check_int(names["block_size"], block_size), check_int(names["num_blocks"], num_blocks)
+    num_host_blocks = check_int(names["num_host_blocks"], num_host_blocks, minimum=0)
+    per_slot = 2 * num_layers * num_kv_heads * head_dim * np.dtype(dtype).itemsize  # K and V, every layer
+    check_memory(names["block_size"], block_size, per_slot, fixed=BLOCK_BOOKKEEPING_BYTES, what="one K/V block")
+    per_block = per_slot * block_size + BLOCK_BOOKKEEPING_BYTES
+    check_memory(names["num_blocks"], num_blocks, per_block, what=f"a pool of {num_blocks:,} K/V blocks")
+    check_memory(names["num_host_blocks"], num_host_blocks, per_block, fixed=num_blocks * per_block,
+                 what=f"K/V pools of {num_blocks:,} device + {num_host_blocks:,} host blocks")
 
 
 class PagedKVCache(KVCacheBase):
@@ -66,6 +87,7 @@ class PagedKVCache(KVCacheBase):
                  enable_prefix_caching: bool = True, hash_fn: HashFn | None = None,
                  blocks_per_tile: int | None = None):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype)
+        check_pool_memory(num_layers, num_kv_heads, head_dim, num_blocks, block_size, self.dtype, num_host_blocks)
         self.blocks = self._new_manager(num_blocks, block_size, num_host_blocks, enable_prefix_caching, hash_fn)
         self.num_blocks, self.block_size = self.blocks.allocator.num_blocks, self.blocks.block_size
         self.num_host_blocks = self.blocks.num_host_blocks

@@ -142,6 +142,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.quantize_count = np.zeros(self.num_blocks, np.int64)
         self._filling = np.zeros(0, np.int64)  # the blocks the open step fills
         self._published: dict = {}  # (block id, generation) -> (k, v) [L, bs, Hkv, D] rows the last step quantized
+        self._published_before: dict = {}  # what _published held before the open step (a failed step restores it)
 
     # -- storage hooks: a block is its residual rows, its codes and its flag ----------------------
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -172,7 +173,8 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def _reserve(self, step: Step) -> None:
         super()._reserve(step)
-        self._published = {}  # step 7: the last step's quantized blocks can no longer be re-opened
+        # step 7: the last step's quantized blocks can no longer be re-opened (unless this step fails)
+        self._published_before, self._published = self._published, {}
         self.quantized[self._blocks_of_step(step, full_only=False)] = False  # written blocks: not full yet
         self._filling = self._blocks_of_step(step, full_only=True)
 
@@ -266,6 +268,11 @@ class QuantizedPagedKVCache(PagedKVCache):
         gen = self.blocks.allocator.blocks
         self._published = {(int(b), gen[int(b)].generation): (self.k_pool[:, int(b)].copy(),
                                                              self.v_pool[:, int(b)].copy()) for b in full}
+
+    def _rollback(self, step: Step) -> None:
+        """A failed step quantized nothing: the rows of the step before it stay what a truncate needs."""
+        super()._rollback(step)
+        self._published = self._published_before
 
     def _truncate(self, seq_id, new_len: int) -> None:
         """The paged truncate; a quantized block the cut re-opens gets its saved rows back (or RollbackError)."""

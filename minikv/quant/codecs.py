@@ -34,6 +34,32 @@ FP8 is OCP E4M3FN (4 exponent bits, 3 mantissa bits, no infinity, largest 448; N
 only special value) unless E5M2 is named (largest 57344, has infinity). ``ml_dtypes``
 turns an out-of-range float into NaN for E4M3FN, so ``to_fp8`` clips to +-max before
 the cast: an overflow *saturates*.
+
+Values a record cannot store: large ones saturate, NaN and inf are refused
+--------------------------------------------------------------------------
+A record keeps its scale (and zero point) in fp16, whose largest finite value is 65504. A group
+whose scale would be larger than that used to store inf, and decode turned the *whole group*
+(for KIVI's keys, a channel across a block) into NaN or inf. Now every codec **saturates**: the
+scale is clamped to 65504, the zero point to [-65504, 65504], the codes to their range. Every
+value of the group stays finite; values inside the limits below are stored as before (byte for
+byte llama.cpp's records), larger magnitudes are cut to the largest the record can hold.
+
+=========  ===============================================================
+codec      stored without saturating
+=========  ===============================================================
+q8_0       abs(x) <= 127 x 65504, about 8.3e6
+q4_0       abs(x) <= 8 x 65504, about 5.2e5
+q4_1       min >= -65504 and max - min <= 15 x 65504 (about 9.8e5)
+asym2/4    min in [-65504, 65504], max - min <= 3 or 15 x 65504 (2.0e5 / 9.8e5)
+fp8        abs(x) <= 448 x 65504, about 2.9e7 (fp8_e5m2: 57344 x 65504, about 3.8e9)
+fp16/bf16  abs(x) <= 65504 (bf16: its largest finite, about 3.39e38)
+=========  ===============================================================
+
+Why saturate rather than refuse a large finite value: it is a legal input (an outlier channel),
+saturation keeps the rest of its group usable, and it is what the fp8 cast already did per value.
+A NaN or an infinity has no value to saturate to: it means the model has already overflowed, and
+stored it would poison up to ``group - 1`` finite neighbours, so ``encode`` **refuses** it
+(``InvalidInputError`` naming the codec); a cache step that would quantize it rolls back.
 """
 
 from __future__ import annotations
@@ -44,7 +70,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from minikv.errors import ConfigError, ShapeError
+from minikv.errors import ConfigError, InvalidInputError, ShapeError
 
 __all__ = ["Codec", "CODECS", "codec", "round_half_away", "pack_bits", "unpack_bits", "to_fp8",
            "encode_q8_0", "decode_q8_0", "encode_q4_0", "decode_q4_0", "encode_q4_1", "decode_q4_1",
@@ -53,17 +79,32 @@ __all__ = ["Codec", "CODECS", "codec", "round_half_away", "pack_bits", "unpack_b
 QK = 32  # llama.cpp's block of values for q8_0, q4_0, q4_1
 FP8 = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 CASTS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+F16_MAX = np.float32(65504.0)  # the largest finite fp16: the most a record's scale or zero point can hold
 
 
 # --- helpers ---------------------------------------------------------------------------------
 
-def _groups(x: np.ndarray, group: int) -> np.ndarray:
-    """x [..., n] as float32 [..., n // group, group]; ShapeError naming the group if it does not divide n."""
+def _groups(x: np.ndarray, group: int, name: str) -> np.ndarray:
+    """x [..., n] as float32 [..., n // group, group]; ShapeError naming the group if it does not divide n,
+    InvalidInputError naming the codec ``name`` if x holds NaN or inf (see the module docstring)."""
     x = np.asarray(x)
     if x.ndim == 0 or x.shape[-1] % group:
         raise ShapeError(f"the last axis ({x.shape[-1] if x.ndim else 'a scalar'}) is not a multiple of the "
                          f"group of {group} values; use a group that divides it")
+    _check_finite(x, name)
     return x.astype(np.float32, copy=False).reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def _check_finite(x: np.ndarray, name: str) -> None:
+    if not np.isfinite(x).all():
+        raise InvalidInputError(f"{name}: {int(np.sum(~np.isfinite(x)))} of the {x.size} values to encode are NaN "
+                                "or inf, which no record stores (they would turn their whole group into NaN); the "
+                                "model's activations overflowed before the cache")
+
+
+def _saturate(a: np.ndarray) -> np.ndarray:
+    """A scale or zero point clamped to fp16's finite range (float32 in, float32 out)."""
+    return np.clip(a, -F16_MAX, F16_MAX).astype(np.float32)
 
 
 def _records(b: np.ndarray, group_bytes: int) -> np.ndarray:
@@ -128,9 +169,9 @@ def unpack_bits(b: np.ndarray, bits: int) -> np.ndarray:
 
 def encode_q8_0(x: np.ndarray) -> np.ndarray:
     """[..., n] -> [..., n/32 * 34] uint8: per 32 values fp16 d = amax/127, then int8 roundf(x/d)."""
-    g = _groups(x, QK)
-    d = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)
-    q = round_half_away(g * _inverse(d)).astype(np.int8)
+    g = _groups(x, QK, "q8_0")
+    d = _saturate(np.abs(g).max(axis=-1, keepdims=True) / np.float32(127))
+    q = np.clip(round_half_away(g * _inverse(d)), -127, 127).astype(np.int8)
     return _flat(np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=-1))
 
 
@@ -152,10 +193,10 @@ def _unnibble(b: np.ndarray) -> np.ndarray:
 
 def encode_q4_0(x: np.ndarray) -> np.ndarray:
     """[..., n] -> [..., n/32 * 18] uint8: fp16 d = max/-8 (signed largest |x|), codes trunc(x/d + 8.5)."""
-    g = _groups(x, QK)
+    g = _groups(x, QK, "q4_0")
     big = np.take_along_axis(g, np.abs(g).argmax(axis=-1)[..., None], axis=-1)  # first index on ties
-    d = big / np.float32(-8)
-    q = np.trunc(g * _inverse(d) + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+    d = _saturate(big / np.float32(-8))
+    q = np.clip(np.trunc(g * _inverse(d) + np.float32(8.5)), 0, 15).astype(np.uint8)
     return _flat(np.concatenate([_fp16_bytes(d), _nibbles(q)], axis=-1))
 
 
@@ -167,10 +208,12 @@ def decode_q4_0(b: np.ndarray) -> np.ndarray:
 
 def encode_q4_1(x: np.ndarray) -> np.ndarray:
     """[..., n] -> [..., n/32 * 20] uint8: fp16 d = (max-min)/15, fp16 m = min, codes trunc((x-min)/d + 0.5)."""
-    g = _groups(x, QK)
+    g = _groups(x, QK, "q4_1")
     lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
-    d = (hi - lo) / np.float32(15)
-    q = np.trunc((g - lo) * _inverse(d) + np.float32(0.5)).astype(np.uint8).clip(0, 15)
+    with np.errstate(over="ignore"):  # max - min past float32's range: inf, which saturates
+        d = _saturate((hi - lo) / np.float32(15))
+        lo = _saturate(lo)
+        q = np.clip(np.trunc((g - lo) * _inverse(d) + np.float32(0.5)), 0, 15).astype(np.uint8)
     return _flat(np.concatenate([_fp16_bytes(d), _fp16_bytes(lo), _nibbles(q)], axis=-1))
 
 
@@ -187,12 +230,13 @@ def encode_asym(x: np.ndarray, bits: int, group: int) -> np.ndarray:
 
     s = fp16((max - min) / (2^b - 1)), z = fp16(min), q = clip(roundf((x - z) / s), 0, 2^b - 1).
     """
-    g = _groups(x, group)
+    g = _groups(x, group, f"asym{bits}")
     top = np.float32((1 << bits) - 1)
     lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
-    s = ((hi - lo) / top).astype(np.float16).astype(np.float32)
-    z = lo.astype(np.float16).astype(np.float32)
-    q = np.clip(round_half_away((g - z) * _inverse(s)), 0, top).astype(np.uint8)
+    with np.errstate(over="ignore"):  # max - min past float32's range: inf, which saturates
+        s = _saturate((hi - lo) / top).astype(np.float16).astype(np.float32)
+        z = _saturate(lo).astype(np.float16).astype(np.float32)
+        q = np.clip(round_half_away((g - z) * _inverse(s)), 0, top).astype(np.uint8)
     return _flat(np.concatenate([_fp16_bytes(s), _fp16_bytes(z), pack_bits(q, bits)], axis=-1))
 
 
@@ -213,9 +257,9 @@ def to_fp8(x: np.ndarray, fmt: str = "e4m3fn") -> np.ndarray:
 
 def encode_fp8(x: np.ndarray, group: int, fmt: str = "e4m3fn") -> np.ndarray:
     """[..., n] -> [..., n/group * (2 + group)] uint8: fp16 s = amax/max_fp8, then fp8(x / s) saturated."""
-    g = _groups(x, group)
+    g = _groups(x, group, f"fp8_{fmt}")
     big = np.float32(ml_dtypes.finfo(FP8[fmt]).max)
-    s = (np.abs(g).max(axis=-1, keepdims=True) / big).astype(np.float16).astype(np.float32)
+    s = _saturate(np.abs(g).max(axis=-1, keepdims=True) / big).astype(np.float16).astype(np.float32)
     f = to_fp8(g * _inverse(s), fmt)
     return _flat(np.concatenate([_fp16_bytes(s), f.view(np.uint8)], axis=-1))
 
@@ -229,8 +273,11 @@ def decode_fp8(b: np.ndarray, group: int, fmt: str = "e4m3fn") -> np.ndarray:
 # --- plain storage -----------------------------------------------------------------------------
 
 def encode_cast(x: np.ndarray, name: str) -> np.ndarray:
-    """[..., n] -> [..., n * itemsize] uint8: the values cast to fp32/fp16/bf16, as their bytes."""
+    """[..., n] -> [..., n * itemsize] uint8: the values cast to fp32/fp16/bf16 (saturated), as their bytes."""
     x = np.asarray(x)
+    _check_finite(x, name)
+    big = ml_dtypes.finfo(CASTS[name]).max if name != "fp32" else None
+    x = x if big is None else np.clip(x, -big, big)
     return np.ascontiguousarray(x.astype(CASTS[name])).view(np.uint8).reshape(
         *x.shape[:-1], x.shape[-1] * CASTS[name].itemsize)
 

@@ -46,20 +46,32 @@ from minikv.mla.block import MLALayerWeights
 from minikv.mla.latent import MLAConfig
 from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
 from minikv.weights import families
+from minikv.weights.checks import (
+    Fields,
+    check_finite,
+    check_layer_count,
+    check_rope_memory,
+    check_weights_memory,
+)
 from minikv.weights.gemma import gemma3_layer_types
 
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
 
 
 class _Tensors:
-    """The named tensors of a checkpoint directory, read on demand: ``get(name, shape)`` -> float32."""
+    """The named tensors of a checkpoint directory, read on demand: ``get(name, shape)`` -> float32.
+
+    Every failure to read a shard (safetensors' own ``SafetensorError``: a header of 2^62 bytes, random
+    bytes, a truncated file, offsets past its end) is a ``ModelFormatError`` naming the file; so is a
+    broken index, or an index entry that points outside the checkpoint folder.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: path / f for name, f in weight_map.items()}
+            self.file_of = {name: _inside(path, f, f"{index.name}: weight_map[{name!r}]")
+                            for name, f in Fields(_json(index), str(index)).obj("weight_map").items()}
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -67,7 +79,7 @@ class _Tensors:
                                              "save the model with save_pretrained(..., safe_serialization=True)")
             self.file_of = {}
             for f in files:
-                self.file_of.update({name: f for name in _keys(f)})
+                self.file_of.update({name: f for name in _safetensors(f, "", _keys)})
         for f in sorted(set(self.file_of.values())):
             if not f.is_file():
                 raise ModelFileNotFoundError(f"{f.name}, a shard named by {index.name}, is missing from {path}")
@@ -76,21 +88,50 @@ class _Tensors:
         return name in self.file_of
 
     def get(self, name: str, shape: tuple) -> np.ndarray:
-        """The tensor ``name`` as float32, checked to be ``shape`` (torch's layout)."""
+        """The tensor ``name`` as float32, checked to be ``shape`` (torch's layout) and finite."""
         if name not in self.file_of:
             raise ModelFormatError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
-        a = _read(self.file_of[name], name)
+        a = _safetensors(self.file_of[name], name, _read)
         if a.shape != tuple(shape):
             raise ModelFormatError(f"tensor {name!r} has shape {list(a.shape)}, expected {list(shape)} "
                                    f"from config.json (checkpoint {self.path})")
-        return a
+        return check_finite(name, a, str(self.file_of[name]))
 
     def linear(self, name: str, n_in: int, n_out: int) -> np.ndarray:
         """A torch ``Linear`` weight [out, in], returned [in, out] for ``x @ W``."""
         return np.ascontiguousarray(self.get(name, (n_out, n_in)).T)
 
 
-def _keys(file: Path) -> list[str]:
+def _json(file: Path):
+    """The JSON value in ``file``; ModelFormatError naming it if it cannot be read or parsed."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelFormatError(f"{file} is not valid JSON ({type(e).__name__}: {e}); re-save the checkpoint") from None
+
+
+def _inside(folder: Path, entry, where: str) -> Path:
+    """The shard file ``entry`` names, which must sit inside ``folder`` (no '..', no absolute path)."""
+    target = (folder / entry).resolve() if isinstance(entry, str) and entry else None
+    if target is None or folder.resolve() not in target.parents:
+        raise ModelFormatError(f"{where}={entry!r} does not name a file inside the checkpoint folder {folder}; "
+                               "an index lists shard file names such as model-00001-of-00002.safetensors")
+    return target
+
+
+def _safetensors(file: Path, name: str, read):
+    """``read(file, name)``, every error of the safetensors reader turned into a ModelFormatError naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        return read(file, name)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        what = f"tensor {name!r} of " if name else ""
+        raise ModelFormatError(f"cannot read {what}{file} ({type(e).__name__}: {e}); the shard is corrupt or "
+                               "truncated: re-save or re-download it") from None
+
+
+def _keys(file: Path, name: str = "") -> list[str]:
     from safetensors import safe_open
 
     with safe_open(str(file), framework="np") as f:
@@ -115,91 +156,96 @@ def _read(file: Path, name: str) -> np.ndarray:
 
 # --- config.json -> ModelConfig ---------------------------------------------------------------------
 
-def _rope(cfg: dict) -> tuple[float, YarnConfig | None]:
+def _rope(cfg: Fields) -> tuple[float, YarnConfig | None]:
     """(rope_theta, YaRN or None) from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older files)."""
-    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rp = cfg.obj("rope_parameters" if cfg.get("rope_parameters") else "rope_scaling")
+    theta = rp.number("rope_theta", cfg.number("rope_theta", 10000.0))
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "yarn":
         raise ModelFormatError(f"rope_type {kind!r} is not supported; minikv reads 'default' and 'yarn'")
-    max_pos = int(cfg.get("max_position_embeddings", 4096))
-    original = int(cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = rp.get("factor") or max_pos / original  # transformers' fallback when factor is null
-    return theta, YarnConfig(factor=float(factor), original_max_position=original,
-                             beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
-                             mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
-                             attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)))
+    max_pos = cfg.integer("max_position_embeddings", 4096)
+    original = (cfg.integer("original_max_position_embeddings", None)
+                or rp.integer("original_max_position_embeddings", None) or max_pos)
+    # transformers' fallback when factor is null; a factor that is given must be a positive number (0.0 is
+    # refused: read with ``or`` it used to become the fallback silently)
+    factor = max_pos / original if rp.get("factor") is None else rp.number("factor")
+    fast, slow = rp.number("beta_fast", None), rp.number("beta_slow", None)
+    return theta, YarnConfig(factor=factor, original_max_position=original, beta_fast=32.0 if fast is None else fast,
+                             beta_slow=1.0 if slow is None else slow, mscale=rp.number("mscale", None, positive=False),
+                             mscale_all_dim=rp.number("mscale_all_dim", None, positive=False),
+                             attention_factor=rp.number("attention_factor", None), truncate=rp.flag("truncate", True))
 
 
-def _common(cfg: dict, **extra) -> dict:
-    """The ModelConfig fields every architecture spells the same way."""
+def _common(cfg: Fields, **extra) -> dict:
+    """The ModelConfig fields every architecture spells the same way, each checked for its JSON type."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelFormatError(f"hidden_act={cfg['hidden_act']!r}; minikv's MLP is SwiGLU (silu)")
     eos = cfg.get("eos_token_id")
-    return dict(vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=int(cfg["num_attention_heads"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position=int(cfg.get("max_position_embeddings", 4096)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
-                eos_token_id=eos[0] if isinstance(eos, list) else eos, **extra)
+    eos = Fields({"eos_token_id": eos[0] if isinstance(eos, list) and eos else eos}, cfg.where)
+    return dict(vocab_size=cfg.integer("vocab_size"), hidden_size=cfg.integer("hidden_size"),
+                intermediate_size=cfg.integer("intermediate_size"), num_layers=cfg.integer("num_hidden_layers"),
+                num_heads=cfg.integer("num_attention_heads"), rms_eps=cfg.number("rms_norm_eps", 1e-6),
+                max_position=cfg.integer("max_position_embeddings", 4096),
+                tie_embeddings=cfg.flag("tie_word_embeddings", False),
+                bos_token_id=cfg.integer("bos_token_id", None, minimum=0),
+                eos_token_id=eos.integer("eos_token_id", None, minimum=0), **extra)
 
 
-def _llama_config(cfg: dict) -> ModelConfig:
+def _llama_config(cfg: Fields) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
+        if cfg.flag(flag, False):
             raise ModelFormatError(f"{flag}=true: minikv's Llama blocks have no biases; use a checkpoint without them")
     theta, yarn = _rope(cfg)
     if yarn is not None:
         raise ModelFormatError("rope_type 'yarn' is read for DeepseekV3ForCausalLM only; this Llama uses it")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
-    return ModelConfig(**_common(cfg, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                                 head_dim=int(head_dim), rope_theta=theta, rope_layout="half"))
+    heads = cfg.integer("num_attention_heads")  # (>= 1: no division by zero below)
+    head_dim = cfg.integer("head_dim", None) or cfg.integer("hidden_size") // heads
+    return ModelConfig(**_common(cfg, num_kv_heads=cfg.integer("num_key_value_heads", None) or heads,
+                                 head_dim=head_dim, rope_theta=theta, rope_layout="half"))
 
 
-def _deepseek_config(cfg: dict) -> ModelConfig:
-    layers, experts = int(cfg["num_hidden_layers"]), cfg.get("n_routed_experts")
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+def _deepseek_config(cfg: Fields) -> ModelConfig:
+    layers, experts = cfg.integer("num_hidden_layers"), cfg.integer("n_routed_experts", None, minimum=0)
+    first_dense = cfg.integer("first_k_dense_replace", None, minimum=0) or 0
     if experts and first_dense < layers:
         raise ModelFormatError(
             f"layer {first_dense} uses mixture-of-experts (first_k_dense_replace={first_dense} < num_hidden_layers="
             f"{layers}, n_routed_experts={experts}); the KV cache does not depend on the MLP and loading MoE layers "
             "is out of scope: use a dense checkpoint (first_k_dense_replace >= num_hidden_layers)")
     theta, yarn = _rope(cfg)
-    q_lora = cfg.get("q_lora_rank")
-    mla = MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-                    qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
-                    q_lora_rank=None if q_lora is None else int(q_lora),
-                    rope_interleave=bool(cfg.get("rope_interleave", True)), yarn=yarn)
+    mla = MLAConfig(kv_lora_rank=cfg.integer("kv_lora_rank"), qk_nope_head_dim=cfg.integer("qk_nope_head_dim"),
+                    qk_rope_head_dim=cfg.integer("qk_rope_head_dim"), v_head_dim=cfg.integer("v_head_dim"),
+                    q_lora_rank=cfg.integer("q_lora_rank", None), rope_interleave=cfg.flag("rope_interleave", True),
+                    yarn=yarn)
     return ModelConfig(**_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, rope_theta=theta, mla=mla))
 
 
-def _gemma3_config(cfg: dict) -> ModelConfig:
+def _gemma3_config(cfg: Fields) -> ModelConfig:
     """Gemma-3 text: transformers 5.24's ``Gemma3TextConfig`` fields, its defaults where a field is absent."""
     for flag in ("attention_bias", "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
         if cfg.get(flag):
             raise ModelFormatError(f"{flag}={cfg[flag]!r}: minikv's Gemma-3 has none (use a checkpoint without it)")
     act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
-    rp = cfg.get("rope_parameters") or {}
-    full, sliding = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-    if {full.get("rope_type", "default"), sliding.get("rope_type", "default")} != {"default"}:
-        raise ModelFormatError(f"rope_parameters={rp}: minikv reads Gemma-3 with rope_type 'default' only")
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    types = cfg.get("layer_types") or gemma3_layer_types(int(cfg["num_hidden_layers"]),
-                                                         int(cfg.get("sliding_window_pattern", 6)))
-    cfg = {**cfg, "hidden_act": "silu"}  # _common checks a Llama's hidden_act; Gemma's activation is read above
+    rp = cfg.obj("rope_parameters")
+    full, sliding = rp.obj("full_attention"), rp.obj("sliding_attention")
+    if full.get("rope_type", "default") != "default" or sliding.get("rope_type", "default") != "default":
+        raise ModelFormatError(f"rope_parameters={dict(rp)}: minikv reads Gemma-3 with rope_type 'default' only")
+    hidden, heads = cfg.integer("hidden_size"), cfg.integer("num_attention_heads")
+    types = cfg.get("layer_types") or gemma3_layer_types(cfg.integer("num_hidden_layers"),
+                                                         cfg.integer("sliding_window_pattern", 6))
+    cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)  # _common checks a Llama's; Gemma's is read above
     return ModelConfig(**_common(
-        cfg, num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or 256),
-        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))), rope_layout="half",
-        layer_types=tuple(types), sliding_window=cfg.get("sliding_window"),
-        sliding_rope_theta=float(sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        cfg, num_kv_heads=cfg.integer("num_key_value_heads", None) or heads,
+        head_dim=cfg.integer("head_dim", None) or 256,
+        rope_theta=full.number("rope_theta", cfg.number("rope_theta", 1_000_000.0)), rope_layout="half",
+        layer_types=types, sliding_window=cfg.integer("sliding_window", None),
+        sliding_rope_theta=sliding.number("rope_theta", cfg.number("rope_local_base_freq", 10_000.0)),
         hidden_act=act, qk_norm=True, sandwich_norms=True, embed_scale=hidden ** 0.5,
-        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256))))
+        query_pre_attn_scalar=cfg.number("query_pre_attn_scalar", 256)))
 
 
 # --- tensors -> weights --------------------------------------------------------------------------------
@@ -269,14 +315,13 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     """
     path = Path(path)
     if not (path / "config.json").is_file():
-        what = "has no config.json" if path.is_dir() else "does not exist"
+        what = ("has no config.json" if path.is_dir() else "is not a directory" if path.exists()
+                else "does not exist")
         raise ModelFileNotFoundError(f"checkpoint directory {path} {what}; pass a directory saved with "
                                      "transformers' save_pretrained (config.json + *.safetensors)")
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelFormatError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    arch = (cfg.get("architectures") or [None])[0]
+    cfg = Fields(_json(path / "config.json"), str(path / "config.json"))
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
     family = isinstance(arch, str) and families.handles(arch, cfg)  # the families of minikv.weights.families
     if arch not in SUPPORTED and not family:
         raise ModelFormatError(f"architecture {arch!r} in {path / 'config.json'} is not supported; "
@@ -284,17 +329,20 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
     reader = (lambda c: families.family_config(arch, c, sys.modules[__name__])) if family else {  # noqa: E731
         "LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config,
         "Gemma3ForCausalLM": _gemma3_config}[arch]
+    check_weights_memory("num_hidden_layers", cfg.integer("num_hidden_layers"), cfg.integer("hidden_size"),
+                         cfg.integer("intermediate_size"), cfg.integer("vocab_size"), cfg.where)
     try:
         config = reader(cfg)
-    except KeyError as e:
-        raise ModelFormatError(f"{path / 'config.json'} lacks {e.args[0]!r}, which {arch} needs") from None
     except ConfigError as e:  # e.g. layer_types that do not name every layer, a window that is no positive int
         raise ModelFormatError(f"{path / 'config.json'}: {e}") from None
-    t, moe = _Tensors(path), None
+    t, moe = _Tensors(path), None  # (headers only) the tensors there bound how many layers the file can hold
+    check_layer_count("num_hidden_layers", config.num_layers, len(t.file_of), cfg.where)
+    rope = (config.mla.qk_rope_head_dim, 1) if config.mla else (config.head_dim, len(config.rope_thetas))
+    check_rope_memory("max_position_embeddings", config.max_position, *rope, dtype)
     if family:
         layers, moe = families.family_layers(t, arch, config, cfg, sys.modules[__name__])
     elif arch == "DeepseekV3ForCausalLM":
-        bias = bool(cfg.get("attention_bias", False))
+        bias = cfg.flag("attention_bias", False)
         layers = [_deepseek_layer(t, f"model.layers.{i}", config, bias) for i in range(config.num_layers)]
     else:
         layer = _llama_layer if arch == "LlamaForCausalLM" else _gemma3_layer

@@ -40,6 +40,7 @@ from minikv.errors import ModelFormatError
 from minikv.layers import ACTIVATIONS
 from minikv.model import LayerWeights, ModelConfig
 from minikv.moe import MoEConfig, MoEWeights
+from minikv.weights.checks import Fields
 
 FAMILIES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
             "GptOssForCausalLM")
@@ -73,30 +74,30 @@ class Llama3Scaling:
         return np.where((wavelen >= high) & (wavelen <= low), mixed, scaled)
 
 
-def handles(arch: str, cfg: dict) -> bool:
+def handles(arch: str, cfg: Fields) -> bool:
     """Whether this module loads ``arch`` (else ``minikv.weights.checkpoints`` does)."""
     if arch == "LlamaForCausalLM":
         return _rope_params(cfg).get("rope_type", _rope_params(cfg).get("type")) == "llama3"
     if arch == "DeepseekV3ForCausalLM":
-        return bool(cfg.get("n_routed_experts")) and int(cfg.get("first_k_dense_replace") or 0) < int(
-            cfg["num_hidden_layers"])
+        return bool(cfg.get("n_routed_experts")) and cfg.integer("first_k_dense_replace", 0, minimum=0) < \
+            cfg.integer("num_hidden_layers")
     return arch in FAMILIES
 
 
-def _rope_params(cfg: dict) -> dict:
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+def _rope_params(cfg: Fields) -> Fields:
+    return cfg.obj("rope_parameters" if cfg.get("rope_parameters") else "rope_scaling")
 
 
-def _refuse(cfg: dict, *flags: str) -> None:
+def _refuse(cfg: Fields, *flags: str) -> None:
     for flag in flags:
         if cfg.get(flag):
             raise ModelFormatError(f"{flag}={cfg[flag]!r} in config.json: minikv's {cfg['architectures'][0]} does "
                                    "not implement it (use a checkpoint without it)")
 
 
-def _layer_types(cfg: dict, every: str | None, alternate: bool) -> tuple | None:
+def _layer_types(cfg: Fields, every: str | None, alternate: bool) -> tuple | None:
     """config.json's ``layer_types`` if given, else every layer ``every``, or sliding/full alternating."""
-    n = int(cfg["num_hidden_layers"])
+    n = cfg.integer("num_hidden_layers")
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
     if alternate:  # Gemma 2, gpt-oss: even layers slide
@@ -104,69 +105,71 @@ def _layer_types(cfg: dict, every: str | None, alternate: bool) -> tuple | None:
     return None if every is None else (every,) * n
 
 
-def family_config(arch: str, cfg: dict, base) -> ModelConfig:
-    """The ``ModelConfig`` of a family's config.json (module docstring); KeyError for a missing field."""
+def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
+    """The ``ModelConfig`` of a family's config.json (module docstring); cfg: its ``Fields`` (a missing or
+    mistyped field is a ModelFormatError naming it)."""
     if arch == "DeepseekV3ForCausalLM":
-        dense = base._deepseek_config({**cfg, "first_k_dense_replace": cfg["num_hidden_layers"]})
-        return replace(dense, moe=_deepseek_moe(cfg), first_dense=int(cfg.get("first_k_dense_replace") or 0))
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        dense = base._deepseek_config(Fields({**cfg, "first_k_dense_replace": cfg["num_hidden_layers"]}, cfg.where))
+        return replace(dense, moe=_deepseek_moe(cfg), first_dense=cfg.integer("first_k_dense_replace", 0, minimum=0))
+    heads = cfg.integer("num_attention_heads")
+    head_dim = cfg.integer("head_dim", None) or cfg.integer("hidden_size") // heads
     rp = _rope_params(cfg)
     kind = rp.get("rope_type", rp.get("type", "default"))
     want = {"LlamaForCausalLM": "llama3", "GptOssForCausalLM": "yarn"}.get(arch, "default")
     if kind != want:
         raise ModelFormatError(f"rope_type {kind!r} in config.json: minikv reads {arch} with {want!r} only")
-    scaling, theta = None, float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling, theta = None, rp.number("rope_theta", cfg.number("rope_theta", 10000.0))
     if kind == "yarn":
         theta, scaling = base._rope(cfg)
     elif kind == "llama3":
-        scaling = Llama3Scaling(float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
-                                int(rp["original_max_position_embeddings"]))
-    geometry = dict(num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
+        scaling = Llama3Scaling(rp.number("factor"), rp.number("low_freq_factor"), rp.number("high_freq_factor"),
+                                rp.integer("original_max_position_embeddings"))
+    geometry = dict(num_kv_heads=cfg.integer("num_key_value_heads", heads), head_dim=head_dim, rope_theta=theta,
                 rope_layout="half", rope_scaling=scaling)
     extra = _FAMILY_OPTIONS[arch](cfg)
     if arch == "Gemma2ForCausalLM":
-        cfg = {**cfg, "hidden_act": "silu"}  # _common checks a Llama's hidden_act; Gemma's is read above
+        cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)  # _common checks a Llama's hidden_act; Gemma's is read above
     return ModelConfig(**base._common(cfg, **geometry, **extra))
 
 
-def _qwen2(cfg: dict) -> dict:
+def _qwen2(cfg: Fields) -> dict:
     _refuse(cfg, "use_sliding_window")
     return dict(qkv_bias=True)
 
 
-def _qwen3(cfg: dict) -> dict:
+def _qwen3(cfg: Fields) -> dict:
     _refuse(cfg, "use_sliding_window", "attention_bias")
     return dict(qk_norm=True)
 
 
-def _llama3(cfg: dict) -> dict:
+def _llama3(cfg: Fields) -> dict:
     _refuse(cfg, "attention_bias", "mlp_bias")
     return {}
 
 
-def _mistral(cfg: dict) -> dict:
+def _mistral(cfg: Fields) -> dict:
     w = cfg.get("sliding_window")
     return {} if w is None else dict(layer_types=_layer_types(cfg, "sliding_attention", False), sliding_window=w)
 
 
-def _gemma2(cfg: dict) -> dict:
+def _gemma2(cfg: Fields) -> dict:
     _refuse(cfg, "attention_bias")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
     return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 4096),
-                hidden_act=act, sandwich_norms=True, embed_scale=int(cfg["hidden_size"]) ** 0.5,
-                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"))
+                hidden_act=act, sandwich_norms=True, embed_scale=cfg.integer("hidden_size") ** 0.5,
+                query_pre_attn_scalar=cfg.number("query_pre_attn_scalar", 256.0),
+                attn_softcap=cfg.number("attn_logit_softcapping", None),
+                final_softcap=cfg.number("final_logit_softcapping", None))
 
 
-def _gpt_oss(cfg: dict) -> dict:
-    if not cfg.get("attention_bias", True):
+def _gpt_oss(cfg: Fields) -> dict:
+    if not cfg.flag("attention_bias", True):
         raise ModelFormatError("attention_bias=false in config.json: minikv reads gpt-oss with its q/k/v/o biases")
-    moe = MoEConfig(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                    intermediate_size=int(cfg["intermediate_size"]), router="topk_softmax", norm_topk_prob=False,
-                    activation="gpt_oss", swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    moe = MoEConfig(num_experts=cfg.integer("num_local_experts"), top_k=cfg.integer("num_experts_per_tok"),
+                    intermediate_size=cfg.integer("intermediate_size"), router="topk_softmax", norm_topk_prob=False,
+                    activation="gpt_oss", swiglu_limit=cfg.number("swiglu_limit", 7.0))
     return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 128),
                 qkv_bias=True, o_bias=True, sinks=True, moe=moe)
 
@@ -175,17 +178,18 @@ _FAMILY_OPTIONS = {"Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3, "Llam
                    "MistralForCausalLM": _mistral, "Gemma2ForCausalLM": _gemma2, "GptOssForCausalLM": _gpt_oss}
 
 
-def _deepseek_moe(cfg: dict) -> MoEConfig:
+def _deepseek_moe(cfg: Fields) -> MoEConfig:
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise ModelFormatError(f"topk_method={cfg.get('topk_method')!r}, scoring_func={cfg.get('scoring_func')!r}: "
                                "minikv routes DeepSeek-V3 as 'noaux_tc' with 'sigmoid' scores only")
-    width = int(cfg["moe_intermediate_size"])
-    return MoEConfig(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+    width = cfg.integer("moe_intermediate_size")
+    return MoEConfig(num_experts=cfg.integer("n_routed_experts"), top_k=cfg.integer("num_experts_per_tok"),
                      intermediate_size=width, router="sigmoid_group",
-                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                     n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                     shared_intermediate_size=width * int(cfg.get("n_shared_experts") or 0), router_dtype="float32")
+                     norm_topk_prob=cfg.flag("norm_topk_prob", True),
+                     routed_scaling_factor=cfg.number("routed_scaling_factor", 1.0),
+                     n_group=cfg.integer("n_group", 1), topk_group=cfg.integer("topk_group", 1),
+                     shared_intermediate_size=width * cfg.integer("n_shared_experts", 0, minimum=0),
+                     router_dtype="float32")
 
 
 # --- tensors -> weights ------------------------------------------------------------------------------

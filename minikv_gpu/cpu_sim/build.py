@@ -11,6 +11,9 @@ Steps (cached on disk by a hash of everything that goes in: the source, every lo
    ``extern __shared__`` array aliases, and the C entry points that Python calls;
 4. link it with the runtime (``sim_runtime.cpp`` + ``switch_x86_64.S``, compiled once).
 
+Every cache entry carries the sha256 of its bytes (``entries``): a corrupt one is reported
+(``RuntimeWarning`` naming the file), removed and rebuilt, instead of breaking every later run.
+
 Environment: ``MINIKV_CACHE_DIR`` (default ``~/.cache/minikv``; files go to its ``cpu_sim/``),
 ``CXX`` (default ``g++``), ``MINIKV_SIM_ASAN=1`` (AddressSanitizer build, with misaligned accesses
 reported too: ``-fsanitize=alignment``),
@@ -33,12 +36,13 @@ from pathlib import Path
 
 from minikv.errors import BackendUnavailableError, InvalidInputError, KernelCompileError
 
+from .entries import intact, record, report_unreadable
 from .signature import EXTERN_SHARED_MARK, KERNEL_MARK, KernelDecl, Param, find_extern_shared, find_kernels
 
 SIM_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = SIM_DIR / "include"
 DYN_SHARED_CAPACITY = 227 * 1024  # H100/H200 opt-in maximum of shared memory per block
-_FORMAT_VERSION = "4"  # bump when the generated wrapper changes shape
+_FORMAT_VERSION = "5"  # bump when the generated wrapper or the cache entries change shape (5: digests)
 
 
 @dataclass(frozen=True)
@@ -189,9 +193,10 @@ def _runtime_objects(cxx: str, opts: BuildOptions) -> list[Path]:
     objects = []
     for src in sources:
         obj = cache_dir() / f"runtime-{key}-{src.stem}.o"
-        if not obj.exists():
+        if not intact(obj):
             _atomic_write(obj, lambda tmp, src=src: _run([cxx, *flags, "-c", str(src), "-o", str(tmp)],
                                                          f"compiling the simulator runtime {src.name}"))
+            record(obj, _atomic_write)
         objects.append(obj)
     return objects
 
@@ -270,10 +275,13 @@ def build(source: str, filename: str, defines: dict | None = None, source_dir: P
     key = _digest(_FORMAT_VERSION, _compiler_id(cxx), " ".join(flags), _headers_digest(), filename, source,
                   includes_digest(source, include_dirs), *(o.name for o in runtime_objs))
     so_path, meta_path = cache_dir() / f"{key}.so", cache_dir() / f"{key}.json"
-    if so_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        kernels = tuple(KernelDecl(k["name"], tuple(Param(**p) for p in k["params"])) for k in meta["kernels"])
-        return BuiltModule(so_path, kernels, opts.asan)
+    if intact(so_path) and intact(meta_path):  # a corrupt entry is reported, removed and rebuilt below
+        try:
+            meta = json.loads(meta_path.read_text())
+            kernels = tuple(KernelDecl(k["name"], tuple(Param(**p) for p in k["params"])) for k in meta["kernels"])
+            return BuiltModule(so_path, kernels, opts.asan)
+        except (ValueError, KeyError, TypeError) as e:
+            report_unreadable(meta_path, e)
 
     scanned = scan_source(source, filename, defines, include_dirs, cxx)
     kernels = find_kernels(scanned, marker=KERNEL_MARK)
@@ -287,6 +295,8 @@ def build(source: str, filename: str, defines: dict | None = None, source_dir: P
            "-fno-exceptions", "-include", "cuda_sim.h", "-x", "c++", str(cpp_path), "-x", "none",
            *map(str, runtime_objs), "-shared"]
     _atomic_write(so_path, lambda tmp: _run(cmd + ["-o", str(tmp)], f"compiling {filename} for the CPU simulator"))
+    record(so_path, _atomic_write)
     meta = {"kernels": [{"name": k.name, "params": [p.__dict__ for p in k.params]} for k in kernels]}
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta)))
+    record(meta_path, _atomic_write)
     return BuiltModule(so_path, tuple(kernels), opts.asan)

@@ -17,6 +17,8 @@
 // rounded scale, q8_0/q4_0 with the float32 one), roundf (ties away from zero, exact) where NumPy uses
 // round_half_away, truncf for q4_0, __float2half_rn (nearest even) for the fp16 scales, saturation at
 // +-448 before a nearest-even fp8 cast written by bit manipulation; __fmul_rn where an FMA could form.
+// Saturation as in codecs (issue 25): a scale or zero point is clamped to fp16's +-65504 before it is
+// stored or used, and every code to its range, so a huge finite value never turns its group into NaN.
 
 // Kernels (<op>_v<N>; N as in every .cu: v1 the plain version, v3 the register-resident decode design):
 //   quantize_blocks_v1          encode the blocks a step fills (K and V of one layer), from the residual
@@ -86,6 +88,8 @@ static_assert((QCODEC != 0 && QCODEC != 3) || GROUP == 32, "q8_0 and q4_0 are ll
 
 namespace quant {
 
+constexpr float F16_MAX = 65504.0f;  // the largest finite fp16: the most a stored scale or zero point holds
+
 // float32 (|x| <= 448, not NaN) -> OCP E4M3FN, round to nearest even (ml_dtypes' cast after the clip).
 __device__ __forceinline__ unsigned int e4m3_of(float x) {
     const unsigned int sign = (__float_as_uint(x) >> 31) << 7;
@@ -122,14 +126,14 @@ __device__ __forceinline__ float inverse(float d) { return d == 0.0f ? 0.0f : 1.
 __device__ __forceinline__ void encode_scaled(const cache_t* src, bool fp8, unsigned char* dst) {
     float amax = 0.0f;
     for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(as_float(src[i])));
-    float d = amax / (fp8 ? 448.0f : 127.0f);
+    float d = fminf(amax / (fp8 ? 448.0f : 127.0f), F16_MAX);
     if (fp8) d = fp16_round(d);  // fp8 quantizes with the stored fp16 scale, q8_0 with the float32 one
     const float inv = inverse(d);
     put_fp16(dst, d);
     for (int i = 0; i < GROUP; ++i) {
         const float y = as_float(src[i]) * inv;
         dst[2 + i] = fp8 ? (unsigned char)e4m3_of(fminf(fmaxf(y, -448.0f), 448.0f))        // saturate, cast
-                         : (unsigned char)(signed char)(int)roundf(y);                        // ties away, as ggml
+                         : (unsigned char)(signed char)(int)fminf(fmaxf(roundf(y), -127.0f), 127.0f);  // ties away
     }
 }
 
@@ -141,7 +145,8 @@ __device__ __forceinline__ void encode_asym2(const cache_t* src, long long strid
         lo = fminf(lo, x);
         hi = fmaxf(hi, x);
     }
-    const float s = fp16_round((hi - lo) / 3.0f), z = fp16_round(lo), inv = inverse(s);
+    const float s = fp16_round(fminf((hi - lo) / 3.0f, F16_MAX));  // hi - lo may overflow to inf: saturates
+    const float z = fp16_round(fminf(fmaxf(lo, -F16_MAX), F16_MAX)), inv = inverse(s);
     put_fp16(dst, s);
     put_fp16(dst + 2, z);
     for (int b = 0; b < GROUP / 4; ++b) {
@@ -165,11 +170,13 @@ __device__ __forceinline__ void encode_q4_0(const cache_t* src, unsigned char* d
             big = x;
         }
     }
-    const float d = big / -8.0f, inv = inverse(d);
+    const float d = fminf(fmaxf(big / -8.0f, -F16_MAX), F16_MAX), inv = inverse(d);
     put_fp16(dst, d);
-    for (int i = 0; i < GROUP / 2; ++i) {
-        const unsigned int a = (unsigned int)fminf(truncf(__fmul_rn(as_float(src[i]), inv) + 8.5f), 15.0f);
-        const unsigned int b = (unsigned int)fminf(truncf(__fmul_rn(as_float(src[i + 16]), inv) + 8.5f), 15.0f);
+    for (int i = 0; i < GROUP / 2; ++i) {  // a saturated d can put a code below 0: clamped, as np.clip
+        const float qa = truncf(__fmul_rn(as_float(src[i]), inv) + 8.5f);
+        const float qb = truncf(__fmul_rn(as_float(src[i + 16]), inv) + 8.5f);
+        const unsigned int a = (unsigned int)fminf(fmaxf(qa, 0.0f), 15.0f);
+        const unsigned int b = (unsigned int)fminf(fmaxf(qb, 0.0f), 15.0f);
         dst[2 + i] = (unsigned char)(a | (b << 4));
     }
 }

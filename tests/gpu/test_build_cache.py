@@ -8,6 +8,8 @@ build must recompile: the kernel's result changes; a broken header must fail to 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,32 @@ def test_cupy_module_cache_key_covers_headers(tree):
     rt._compile(SOURCE, "fill.cu", "fill", None, tree)
     assert len(_FakeCupy.codes) == 2 and _FakeCupy.codes[0] != _FakeCupy.codes[1]
     assert all(code.startswith(SOURCE) for code in _FakeCupy.codes)  # line numbers unchanged
+
+
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory):
+    """A simulator cache shared by the corruption cases (the runtime compiles once)."""
+    return tmp_path_factory.mktemp("sim_cache")
+
+
+@pytest.mark.parametrize("entry", ["module .so", "kernel list .json", "runtime .o", "digest"])
+def test_a_corrupt_cache_entry_is_reported_and_rebuilt(sim_rt, tree, tmp_path, monkeypatch, entry, own_cache):
+    # a cache of its own, and no module this process already loaded: the next load reads the disk again
+    cache = own_cache
+    monkeypatch.setenv("MINIKV_CACHE_DIR", str(cache))
+    monkeypatch.setattr("minikv_gpu.cpu_sim.module._MODULES", {})
+    assert _run_fill(tree) == 1.0
+    pattern = {"module .so": "*.so", "kernel list .json": "*.json", "runtime .o": "runtime-*.o",
+               "digest": "*.so.sha256"}[entry]
+    victim = max((cache / "cpu_sim").glob(pattern), key=lambda p: p.stat().st_mtime_ns)  # this test's entry
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x7fELF not really" if entry != "kernel list .json" else b'{"kernels": [')
+    junk.replace(victim)  # a new file: never rewrite a .so this process has mapped
+    monkeypatch.setattr("minikv_gpu.cpu_sim.module._MODULES", {})
+    name = victim.name.removesuffix(".sha256")
+    with pytest.warns(RuntimeWarning, match=f"{name} is corrupt"):
+        assert _run_fill(tree) == 1.0
+    monkeypatch.setattr("minikv_gpu.cpu_sim.module._MODULES", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rebuilt: the next run finds it intact and says nothing
+        assert _run_fill(tree) == 1.0

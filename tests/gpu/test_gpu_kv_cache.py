@@ -333,7 +333,7 @@ def test_errors_name_the_problem(rt):
         with pytest.raises(InvalidInputError, match="before write"):
             c.attend(0, ones(2, 2, 64))
         c.write(0, ones(2, 2, 64), ones(2, 2, 64))
-        with pytest.raises(ShapeError, match="q.shape"):
+        with pytest.raises(ShapeError, match="Hq a multiple of the 2 KV heads"):
             c.attend(0, ones(2, 3, 64))
         with pytest.raises(InvalidInputError, match="one new token"):
             c.rope_write_attend(0, ones(2, 4, 64), ones(2, 2, 64), ones(2, 2, 64), ones(2, 32), ones(2, 32), "half")

@@ -375,7 +375,7 @@ def test_cache_errors(rt):
         with pytest.raises(InvalidInputError, match="before write"):
             c.attend(0, ones(2, 2, 16))
         c.write(0, ones(2, 2, 16), ones(2, 2, 16))
-        with pytest.raises(ShapeError, match="q.shape"):
+        with pytest.raises(ShapeError, match="Hq a multiple of the 2 KV heads"):
             c.attend(0, ones(2, 3, 16))
         with pytest.raises(ConfigError, match="version"):
             c.attend(0, ones(2, 6, 16), version=0)
