@@ -32,7 +32,6 @@ Two implementations live here:
 from __future__ import annotations
 
 import functools
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -43,7 +42,6 @@ from minikv import online_softmax
 from minikv.attention import causal_attention
 from minikv.errors import (
     CacheFullError,
-    ConfigError,
     DTypeError,
     InvalidInputError,
     RollbackError,
@@ -52,6 +50,7 @@ from minikv.errors import (
     check_int,
     check_memory,
 )
+from minikv.seam import after_write, outside_step, records_write
 
 CACHE_DTYPES = (np.float64, np.float32, np.float16)
 
@@ -111,59 +110,6 @@ def lookup_sequence(table: dict, seq_id):
                                    f"{sorted(table, key=str)}); call add_sequence first") from None
 
 
-def _records_write(fn):
-    """Wrap a cache's ``write``: the layer counts as written once the store succeeded."""
-    @functools.wraps(fn)
-    def write(self, layer, *args, **kwargs):
-        out = fn(self, layer, *args, **kwargs)
-        self._written.add(layer)
-        return out
-
-    write._seam_rule = True
-    return write
-
-
-def _after_write(fn):
-    """Wrap a cache's ``attend``: a layer that has not written in the open step may not attend.
-
-    The score options of ``minikv.online_softmax`` (``sinks=``, ``softcap=``: gpt-oss, Gemma 2) reach
-    only caches whose own ``attend`` names them; any other cache refuses them with a ConfigError
-    naming itself, rather than attending without them (plausible text, wrong logits)."""
-    takes_options = "sinks" in inspect.signature(fn).parameters
-
-    @functools.wraps(fn)
-    def attend(self, layer, q, *args, **kwargs):
-        if getattr(q, "ndim", None) == 3 and (q.dtype.kind != "f" or q.shape[1] % self.num_kv_heads):
-            raise (ShapeError if q.dtype.kind == "f" else DTypeError)(
-                f"q: {q.dtype} [N, Hq={q.shape[1]}, D]; pass floating-point queries, Hq a multiple of the "
-                f"{self.num_kv_heads} KV heads")
-        if not takes_options and any(kwargs.get(o) is not None for o in ("sinks", "softcap")):
-            raise ConfigError(f"{type(self).__name__} does not apply learned sinks or logit soft-capping; this "
-                              "model needs them: use a contiguous, paged or hybrid cache (or 'none')")
-        kwargs = kwargs if takes_options else {k: v for k, v in kwargs.items() if k not in ("sinks", "softcap")}
-        if self._step is not None:
-            self._check_layer(layer)
-            if layer not in self._written:
-                raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step; "
-                                        "each layer writes its K/V, then attends")
-        return fn(self, layer, q, *args, **kwargs)
-
-    attend._seam_rule = True
-    return attend
-
-
-def _outside_step(fn):
-    """Wrap a cache's ``free_sequence``: refused while a step is open (the step would commit into freed rows)."""
-    @functools.wraps(fn)
-    def free_sequence(self, seq_id, *args, **kwargs):
-        if getattr(self, "_step", None) is not None:
-            raise InvalidInputError(f"free_sequence({seq_id!r}) while a step is open; free it once the step ended")
-        return fn(self, seq_id, *args, **kwargs)
-
-    free_sequence._seam_rule = True
-    return free_sequence
-
-
 class KVCacheBase:
     """The interface every cache implements (see the module docstring).
 
@@ -193,7 +139,7 @@ class KVCacheBase:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name, wrap in (("write", _records_write), ("attend", _after_write), ("free_sequence", _outside_step)):
+        for name, wrap in (("write", records_write), ("attend", after_write), ("free_sequence", outside_step)):
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "_seam_rule", False):
                 setattr(cls, name, wrap(fn))

@@ -18,7 +18,7 @@ LIBRARY = sorted(p for pkg in ("minikv", "minikv_gpu") for p in (ROOT / pkg).rgl
 MAX_MODULE, MAX_FUNCTION, MAX_CLASS = 300, 60, 300
 
 # --- the layout: the core at the top of minikv/, one folder per chapter ----------------------------
-CORE = {"__init__", "__main__", "errors", "layers", "moe", "attention", "online_softmax", "kv_cache", "model",
+CORE = {"__init__", "__main__", "errors", "layers", "moe", "attention", "online_softmax", "seam", "kv_cache", "model",
         "model_config",
         "sampling", "generate", "scheduler", "speculative", "perplexity"}
 FOLDERS = {"textbook", "paged", "mla", "quant", "window", "hybrid", "tiers", "parallel", "weights", "costs", "bench",
@@ -28,7 +28,7 @@ FOLDERS = {"textbook", "paged", "mla", "quant", "window", "hybrid", "tiers", "pa
 LEVELS = [
     ["minikv.errors"],
     ["minikv.layers", "minikv.moe"],
-    ["minikv.attention", "minikv.online_softmax"],
+    ["minikv.attention", "minikv.online_softmax", "minikv.seam"],
     ["minikv.kv_cache"],
     ["minikv.paged"],                                                    # step 3
     ["minikv.mla", "minikv.quant", "minikv.window", "minikv.hybrid"],    # steps 4, 5, 6, 9
