@@ -1,4 +1,4 @@
-"""The small math the model and the steps share: RMSNorm, SiLU and GELU, RoPE (plain and YaRN).
+"""The small math the model and the steps share: the linear map, RMSNorm, SiLU and GELU, RoPE (plain and YaRN).
 
 It sits below the steps (``minikv.mla`` needs YaRN's softmax factor) and below the model,
 which re-exports every name here (``from minikv.model import apply_rope`` keeps working).
@@ -16,6 +16,14 @@ import numpy as np
 from minikv.errors import ConfigError, check_choice, check_int
 
 ROPE_LAYOUTS = ("interleaved", "half")
+
+
+def linear(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
+    """x: [N, in], w_t: [out, in] (a weight stored transposed, torch's Linear layout) -> x @ w_t.T: [N, out].
+
+    Every matrix product of the decoder goes through here: one place decides how a product runs.
+    """
+    return x @ w_t.T
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

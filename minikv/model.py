@@ -34,7 +34,7 @@ import numpy as np
 
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_float, check_int
 from minikv.hybrid.cache import LAYER_TYPES, check_layer_types, hybrid_cache, layer_windows  # noqa: F401
-from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
+from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, linear, rms_norm, rope_tables, silu  # noqa: F401
 from minikv.mla.block import MLALayer, MLALayerWeights, mla_attention_block, mla_weight_shapes
 from minikv.mla.latent import LatentUp, MLAConfig
 
@@ -254,7 +254,7 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     """
     n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
-    qkv = (h @ lw.wqkv_t.T).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
+    qkv = linear(h, lw.wqkv_t).reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
     qk = qkv[:, : hq + hkv]
     if cfg.qk_norm:  # Gemma-3: RMSNorm over D in every q and k head, before RoPE
         qk = rms_norm(qk, lw.qk_norm, cfg.rms_eps)
@@ -265,7 +265,7 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
         q = q * lw.q_scale
     cache.write(li, k, v)
     attn = cache.attend(li, q)  # [N, Hq, D]
-    out = attn.reshape(n, hq * d) @ lw.wo_t.T
+    out = linear(attn.reshape(n, hq * d), lw.wo_t)
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
@@ -275,9 +275,9 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     act is SiLU (SwiGLU) or the tanh GELU (GeGLU, Gemma): ``cfg.hidden_act``.
     """
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
-    gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
+    gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
     i = cfg.intermediate_size
-    out = (ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T
+    out = linear(ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:], lw.w_down_t)
     return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
@@ -420,7 +420,7 @@ class Model:
             if not all_logits:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]
-            logits = rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head.T
+            logits = linear(rms_norm(x, self.final_norm, c.rms_eps), self.lm_head)
             if then is not None:
                 then(logits)
         assert logits.dtype == self.dtype, logits.dtype  # no silent float64 promotion
