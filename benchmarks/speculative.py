@@ -146,8 +146,8 @@ def main(argv=None) -> int:
         row["load_average_1min"] = [load, os.getloadavg()[0]]  # before, after: other work on this machine
         row["prompt_tokens"] = len(ids)
         ms = row["forward_ms_by_tokens"] = pass_ms(model, ids, sorted({1, 5, *(k + 1 for k in args.draft_lens)}))
-        for name in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:  # the cost model: plain passes for the
-            e = row[name]                                                  # same tokens / speculation's passes
+        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:  # the cost model: plain passes for
+            e = row[variant]                                                  # the same tokens / speculation's
             k = e["draft_len"]
             plain_ms = (e["accepted_tokens"] + e["verify_steps"]) * ms["1"]
             spec_ms = (e["verify_steps"] - e["drafted_steps"]) * ms["1"] + e["drafted_steps"] * ms[str(k + 1)]
@@ -157,9 +157,9 @@ def main(argv=None) -> int:
         print(f"\n{name}: prompt {len(ids)} tokens, {row['new_tokens']} new ({row['finish_reason']}); "
               f"plain {row['plain']['decode_tokens_per_s']:.1f} tokens/s; one forward pass of T tokens (ms): "
               + ", ".join(f"T={t}: {ms:.1f}" for t, ms in row["forward_ms_by_tokens"].items()))
-        for name in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:
-            e = row[name]
-            print(f"  {name}: {e['decode_tokens_per_s']:6.1f} tokens/s, speed-up {e['speedup']:.2f}x (best runs "
+        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:
+            e = row[variant]
+            print(f"  {variant}: {e['decode_tokens_per_s']:6.1f} tokens/s, speed-up {e['speedup']:.2f}x (best runs "
                   f"{e['speedup_of_best_runs']:.2f}x, cost model {e['speedup_predicted']:.2f}x), acceptance "
                   f"{e['acceptance_rate']:.0%}, {e['tokens_per_step']:.2f} tokens/pass, identical "
                   f"{e['identical_to_plain']}")
@@ -168,7 +168,9 @@ def main(argv=None) -> int:
     payload = {"benchmark": "speculative", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
                "cache": "contiguous", "sampling": "greedy",
                "drafter": f"ngram (prompt lookup, n = 3..{MIN_NGRAM}; '{OLD_RULE}': n = 3..1)",
-               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "tasks": results, "machine": info}
+               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "tasks": results,
+               "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
+               "machine": info}
     print(f"wrote {write_result(args.out, payload)}")
     return 0 if all(r[f"K={k}"]["identical_to_plain"] for r in results.values() for k in args.draft_lens) else 1
 
