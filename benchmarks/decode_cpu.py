@@ -80,7 +80,7 @@ def matmul_ms_per_token(model, repeats: int = 15) -> float:
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step must read: every layer matrix and norm, the LM head,
     and one embedding row."""
-    layer = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values())
+    layer = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values() if a is not None)
     return layer + model.lm_head.nbytes + model.final_norm.nbytes + model.embed[0].nbytes
 
 
