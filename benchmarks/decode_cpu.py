@@ -22,6 +22,7 @@ time against the floor ``weight bytes read per token / bandwidth``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -79,7 +80,7 @@ def matmul_ms_per_token(model, repeats: int = 15) -> float:
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step must read: every layer matrix and norm, the LM head,
     and one embedding row."""
-    layer = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values())
+    layer = sum(a.nbytes for lw in model.weights.layers for a in vars(lw).values() if a is not None)
     return layer + model.lm_head.nbytes + model.final_norm.nbytes + model.embed[0].nbytes
 
 
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
                   "before each engine's round; medians",
         "read_bandwidth_gbs": bw, "weight_bytes_per_token": wbytes, "bandwidth_floor_ms_per_token": floor_s * 1e3,
         "minikv_matmul_ms_per_token": mm_ms,
-        "results": results, "machine": info})
+        "results": results, "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
+               "machine": info})
     print(f"wrote {out}")
     return 0
 

@@ -18,6 +18,8 @@ after the prompt: speculation wins only when tokens per pass beat that cost rati
 speed-up, ``speedup_predicted``: the plain passes for the same tokens, (accepted + steps) t(1), over
 speculation's passes, (steps without a draft) t(1) + (steps with drafts) t(K + 1) (a pass with fewer
 than K drafts is priced as K + 1 tokens).
+The variant ``K=4 min1`` drafts on any match down to a 1-token suffix, as the engine did before its
+rule (``minikv.speculative.MIN_NGRAM``: draft only from a match of 2 or more tokens): it measures the rule.
 Results on a 2-core shared machine are noisy: read the ratios (the 1-minute load average before and
 after each task is recorded, so a busy run shows itself).
 
@@ -30,10 +32,14 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
+from unittest.mock import patch
 
+import minikv.generate as generate_module
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import GREEDY, generate, make_cache
+from minikv.speculative import MIN_NGRAM, speculative_decode
 from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +65,15 @@ TASKS = {
 }
 
 
-def run(model, ids: list[int], n: int, k: int | None):
-    """One greedy generation (k None: plain; else speculative with draft length k); its result."""
+OLD_RULE = "K=4 min1"  # the variant that drafts on any match, down to a 1-token suffix (before MIN_NGRAM)
+
+
+def run(model, ids: list[int], n: int, k):
+    """One greedy generation (k None: plain; an int: speculative with draft length k and the engine's
+    drafting rule; ``OLD_RULE``: K = 4 drafting on any 1-token match); its result."""
+    if k == OLD_RULE:
+        with patch.object(generate_module, "speculative_decode", partial(speculative_decode, min_ngram=1)):
+            return run(model, ids, n, 4)
     kw = {} if k is None else dict(speculative="ngram", draft_len=k)
     return generate(model, ids, n, cache="contiguous", sampling=GREEDY, **kw)
 
@@ -84,9 +97,9 @@ def pass_ms(model, ids: list[int], sizes: list[int], rounds: int = 7) -> dict:
 
 def bench_task(model, ids: list[int], n: int, draft_lens: list[int], rounds: int, settle: float) -> dict:
     """Alternating rounds of plain and speculative runs on one prompt; medians and per-round ratios."""
-    variants = [None, *draft_lens]
+    variants = [None, *draft_lens, OLD_RULE]
     speed = {v: [] for v in variants}
-    ratio = {v: [] for v in draft_lens}
+    ratio = {v: [] for v in variants[1:]}
     last = {}
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]  # rotate who runs first
@@ -95,21 +108,22 @@ def bench_task(model, ids: list[int], n: int, draft_lens: list[int], rounds: int
             time.sleep(settle)  # let BLAS threads of the previous run go idle
             got[v] = run(model, ids, n, v)
             speed[v].append(got[v].decode_tokens_per_s)
-        for k in draft_lens:
+        for k in variants[1:]:
             ratio[k].append(got[k].decode_tokens_per_s / got[None].decode_tokens_per_s)
         last = got
     plain = last[None]
     out = {"new_tokens": len(plain.token_ids), "finish_reason": plain.finish_reason,
            "plain": {"decode_tokens_per_s": statistics.median(speed[None]), "runs": speed[None]}}
-    for k in draft_lens:
+    for k in variants[1:]:
         st = last[k].speculative
-        out[f"K={k}"] = {"draft_len": k, "decode_tokens_per_s": statistics.median(speed[k]), "runs": speed[k],
-                         "speedup": statistics.median(ratio[k]), "speedup_runs": ratio[k],
-                         "speedup_of_best_runs": max(speed[k]) / max(speed[None]),
-                         "acceptance_rate": st.acceptance_rate, "draft_tokens": st.drafted,
-                         "accepted_tokens": st.accepted, "verify_steps": st.steps, "drafted_steps": st.drafted_steps,
-                         "tokens_per_step": st.tokens_per_step,
-                         "identical_to_plain": last[k].token_ids == plain.token_ids}
+        name = k if k == OLD_RULE else f"K={k}"
+        out[name] = {"draft_len": st.draft_len, "decode_tokens_per_s": statistics.median(speed[k]), "runs": speed[k],
+                     "speedup": statistics.median(ratio[k]), "speedup_runs": ratio[k],
+                     "speedup_of_best_runs": max(speed[k]) / max(speed[None]),
+                     "acceptance_rate": st.acceptance_rate, "draft_tokens": st.drafted,
+                     "accepted_tokens": st.accepted, "verify_steps": st.steps, "drafted_steps": st.drafted_steps,
+                     "tokens_per_step": st.tokens_per_step,
+                     "identical_to_plain": last[k].token_ids == plain.token_ids}
     return out
 
 
@@ -131,9 +145,10 @@ def main(argv=None) -> int:
         row = bench_task(model, ids, args.max_new_tokens, args.draft_lens, args.rounds, args.settle)
         row["load_average_1min"] = [load, os.getloadavg()[0]]  # before, after: other work on this machine
         row["prompt_tokens"] = len(ids)
-        ms = row["forward_ms_by_tokens"] = pass_ms(model, ids, [1] + [k + 1 for k in args.draft_lens])
-        for k in args.draft_lens:  # the cost model: plain passes for the same tokens / speculation's passes
-            e = row[f"K={k}"]
+        ms = row["forward_ms_by_tokens"] = pass_ms(model, ids, sorted({1, 5, *(k + 1 for k in args.draft_lens)}))
+        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:  # the cost model: plain passes for
+            e = row[variant]                                                  # the same tokens / speculation's
+            k = e["draft_len"]
             plain_ms = (e["accepted_tokens"] + e["verify_steps"]) * ms["1"]
             spec_ms = (e["verify_steps"] - e["drafted_steps"]) * ms["1"] + e["drafted_steps"] * ms[str(k + 1)]
             e["speedup_predicted"] = plain_ms / spec_ms
@@ -142,17 +157,20 @@ def main(argv=None) -> int:
         print(f"\n{name}: prompt {len(ids)} tokens, {row['new_tokens']} new ({row['finish_reason']}); "
               f"plain {row['plain']['decode_tokens_per_s']:.1f} tokens/s; one forward pass of T tokens (ms): "
               + ", ".join(f"T={t}: {ms:.1f}" for t, ms in row["forward_ms_by_tokens"].items()))
-        for k in args.draft_lens:
-            e = row[f"K={k}"]
-            print(f"  K={k}: {e['decode_tokens_per_s']:6.1f} tokens/s, speed-up {e['speedup']:.2f}x (best runs "
+        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:
+            e = row[variant]
+            print(f"  {variant}: {e['decode_tokens_per_s']:6.1f} tokens/s, speed-up {e['speedup']:.2f}x (best runs "
                   f"{e['speedup_of_best_runs']:.2f}x, cost model {e['speedup_predicted']:.2f}x), acceptance "
                   f"{e['acceptance_rate']:.0%}, {e['tokens_per_step']:.2f} tokens/pass, identical "
                   f"{e['identical_to_plain']}")
     info = machine_info(("numpy",))
     print(describe(info))
     payload = {"benchmark": "speculative", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
-               "cache": "contiguous", "sampling": "greedy", "drafter": "ngram (prompt lookup, n = 3..1)",
-               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "tasks": results, "machine": info}
+               "cache": "contiguous", "sampling": "greedy",
+               "drafter": f"ngram (prompt lookup, n = 3..{MIN_NGRAM}; '{OLD_RULE}': n = 3..1)",
+               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "tasks": results,
+               "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
+               "machine": info}
     print(f"wrote {write_result(args.out, payload)}")
     return 0 if all(r[f"K={k}"]["identical_to_plain"] for r in results.values() for k in args.draft_lens) else 1
 

@@ -1,4 +1,4 @@
-"""The small math the model and the steps share: RMSNorm, SiLU and GELU, RoPE (plain and YaRN).
+"""The small math the model and the steps share: the linear map, RMSNorm, SiLU and GELU, RoPE (plain and YaRN).
 
 It sits below the steps (``minikv.mla`` needs YaRN's softmax factor) and below the model,
 which re-exports every name here (``from minikv.model import apply_rope`` keeps working).
@@ -16,6 +16,33 @@ import numpy as np
 from minikv.errors import check_choice, check_float, check_int
 
 ROPE_LAYOUTS = ("interleaved", "half")
+
+
+# A pass over a few tokens (2 .. THIN_TOKENS: a speculative verify, a short chunk) multiplies the weights
+# ROW_BLOCK output rows at a time. One [T, in] x [in, out] product hands OpenBLAS a thin GEMM whose packing
+# of the whole weight costs 2-3x a one-token pass (a matrix-vector product) that reads the same bytes; a
+# 64-row block stays in the core's cache while it is packed and used, and the pass costs about what it reads
+# (benchmarks/results/decode_profile.json). One token keeps the matrix-vector product; past THIN_TOKENS
+# the plain GEMM is as fast.
+ROW_BLOCK = 64
+THIN_TOKENS = 32
+
+
+def linear(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
+    """x: [N, in], w_t: [out, in] (a weight stored transposed, torch's Linear layout) -> x @ w_t.T: [N, out].
+
+    Every matrix product of the decoder goes through here: one place decides how a product runs.
+    """
+    n, out = x.shape[0], w_t.shape[0]
+    if not 2 <= n <= THIN_TOKENS or out < ROW_BLOCK or not w_t.flags.c_contiguous:
+        return x @ w_t.T
+    body = out - out % ROW_BLOCK
+    y = np.empty((n, out), dtype=np.result_type(x, w_t))
+    blocks = np.matmul(w_t[:body].reshape(body // ROW_BLOCK, ROW_BLOCK, w_t.shape[1]), x.T)  # [out/B, B, N]
+    y[:, :body] = blocks.transpose(2, 0, 1).reshape(n, body)
+    if body < out:
+        y[:, body:] = x @ w_t[body:].T
+    return y
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

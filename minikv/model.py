@@ -34,7 +34,7 @@ import numpy as np
 
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice
 from minikv.hybrid.cache import LAYER_TYPES, check_layer_types, hybrid_cache, layer_windows  # noqa: F401
-from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
+from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, linear, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
 from minikv.mla.block import MLALayer, mla_attention_block
 from minikv.mla.latent import LatentUp
 from minikv.model_config import LayerWeights, ModelConfig, ModelWeights, check_weights, expected_shapes  # noqa: F401  (re-exported: the config and weights live there)
@@ -98,7 +98,7 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     """
     n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
-    qkv = h @ lw.wqkv_t.T
+    qkv = linear(h, lw.wqkv_t)
     if lw.bqkv is not None:  # Qwen2, gpt-oss: the bias lands before RoPE, so the cached key carries it
         qkv = qkv + lw.bqkv
     qkv = qkv.reshape(n, hq + 2 * hkv, d)  # [N, Hq + 2 Hkv, D]
@@ -117,7 +117,7 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     if cfg.attn_softcap is not None:
         options["softcap"] = cfg.attn_softcap
     attn = cache.attend(li, q, **options)  # [N, Hq, D]
-    out = attn.reshape(n, hq * d) @ lw.wo_t.T
+    out = linear(attn.reshape(n, hq * d), lw.wo_t)
     if lw.bo is not None:
         out = out + lw.bo
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
@@ -132,9 +132,9 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
     if getattr(lw, "moe", None) is not None:
         return moe_mlp(h, lw.moe, cfg.moe)
-    gate_up = h @ lw.w_gate_up_t.T  # [N, 2 I]
+    gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
     i = cfg.intermediate_size
-    out = (ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:]) @ lw.w_down_t.T
+    out = linear(ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:], lw.w_down_t)
     return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
@@ -278,7 +278,7 @@ class Model:
             if not all_logits:
                 last = np.cumsum([t.size for t in toks]) - 1
                 x = x[last]
-            logits = rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head.T
+            logits = linear(rms_norm(x, self.final_norm, c.rms_eps), self.lm_head)
             if c.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
                 logits = soft_cap(logits, c.final_softcap)
             if then is not None:

@@ -15,6 +15,14 @@ from ``max_ngram`` down to 1), finds their latest earlier occurrence in prompt +
 and proposes the (up to) k tokens that followed it there. No match: no draft, a plain decode step.
 It needs no second model, so it works for SmolLM2 as it is.
 
+When to draft (the engine's rule): only when a suffix of at least ``MIN_NGRAM`` = 2 tokens matches.
+A verify pass of k + 1 tokens costs more than a one-token pass (``benchmarks/decode_profile.py``:
+1.2x at k = 1 .. 1.8x at k = 7 on the 2-core benchmark machine), so a draft must be right often
+enough to pay for it. A match on the last token alone (a space, a comma, "the") predicts what comes
+next far less often than a match on two; ``benchmarks/speculative.py`` measures the rule against
+drafting on any 1-token match (its ``K=4 min1`` variant). ``ngram_draft``'s own default stays 1:
+the plain lookup of the lesson (``minikv.textbook.s7_rollback``).
+
 Verification and the acceptance rule (greedy)
 ---------------------------------------------
 The newest token t0 has no K/V yet. One step feeds ``[t0, d1, ..., dk]`` through
@@ -65,6 +73,7 @@ from minikv.errors import InvalidInputError, check_int
 
 SPECULATIVE_KINDS = ("ngram",)  # the --speculative choices
 MAX_NGRAM = 3  # longest suffix the drafter looks up
+MIN_NGRAM = 2  # shortest suffix whose match the decode loop drafts from (see "When to draft")
 
 
 @dataclass
@@ -89,19 +98,20 @@ class SpecStats:
         return (self.accepted + self.steps) / self.steps if self.steps else float("nan")
 
 
-def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``ids``.
 
     ids: [P + G] the prompt and the tokens generated so far (the last one not yet run)
-    The suffix length n goes from ``max_ngram`` down to 1; the first n with a match wins, and
-    the latest match (the closest context) among its occurrences. Returns [] without a match.
+    The suffix length n goes from ``max_ngram`` down to ``min_ngram``; the first n with a match wins,
+    and the latest match (the closest context) among its occurrences. Returns [] without a match.
     """
     k = check_int("k", k, minimum=0, error=InvalidInputError, hint="the number of draft tokens")
     max_ngram = check_int("max_ngram", max_ngram, error=InvalidInputError)
+    min_ngram = check_int("min_ngram", min_ngram, error=InvalidInputError)
     a = np.asarray(ids, dtype=np.int64)
     if k == 0:
         return []
-    for n in range(min(max_ngram, a.size - 1), 0, -1):
+    for n in range(min(max_ngram, a.size - 1), min_ngram - 1, -1):
         # windows a[i:i+n] for i < size - n: each has at least one token after it
         win = np.lib.stride_tricks.sliding_window_view(a[:-1], n)
         hits = np.flatnonzero(np.all(win == a[-n:], axis=1))
@@ -158,12 +168,14 @@ def accept_sampled(target: np.ndarray, draft: np.ndarray, drafts: Sequence[int],
 
 
 def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens: int, eos: int | None,
-                       result, draft_len: int, max_ngram: int = MAX_NGRAM, seq_id=0) -> Iterator[int]:
+                       result, draft_len: int, max_ngram: int = MAX_NGRAM, seq_id=0,
+                       min_ngram: int = MIN_NGRAM) -> Iterator[int]:
     """The speculative decode loop after prefill: yield tokens from ``first`` on, until EOS or
     ``max_new_tokens``. ``ids`` (prompt, extended in place) is what the drafter searches.
 
     ``result`` (a ``minikv.generate.GenerationResult``) gets the tokens, ``decode_s`` (drafting and
     verifying, not the consumer's time), ``finish_reason`` and ``speculative``: a ``SpecStats``.
+    It drafts only from a match of at least ``min_ngram`` tokens (``MIN_NGRAM``: "When to draft").
     Drafts are capped so that no step runs past ``prompt + max_new_tokens - 1`` positions: a cache
     sized for plain decoding suffices.
     """
@@ -181,5 +193,5 @@ def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens:
                 return
         t0 = time.perf_counter()
         k = min(draft_len, max_new_tokens - len(result.token_ids) - 1)
-        queue = verify(model, cache, seq_id, queue[-1], ngram_draft(ids, k, max_ngram), stats)
+        queue = verify(model, cache, seq_id, queue[-1], ngram_draft(ids, k, max_ngram, min_ngram), stats)
         result.decode_s += time.perf_counter() - t0

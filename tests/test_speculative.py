@@ -48,6 +48,8 @@ def test_the_drafter_takes_the_longest_suffix_and_its_latest_occurrence():
     assert ngram_draft(ids, 9) == [7, 5, 1, 2, 3]    # runs up to the end of the text
     assert ngram_draft(ids, 3, max_ngram=1) == [7, 5, 1]  # [3]: its latest earlier occurrence too
     assert ngram_draft([4, 5, 6, 7, 5], 2) == [6, 7]  # n = 3, 2 miss; n = 1 ([5]) hits
+    assert ngram_draft([4, 5, 6, 7, 5], 2, min_ngram=2) == []  # the engine's rule: a 1-token match drafts nothing
+    assert ngram_draft(ids, 3, min_ngram=2) == [7, 5, 1]  # a 3-token match still drafts
     assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([8], 4) == [] and ngram_draft(ids, 0) == []
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidInputError, match="k="):
