@@ -209,7 +209,7 @@ def _run_demo(args) -> int:
     chat = args.prompt_ids is None  # ids are fed as given
     prompt_ids = prompt_ids_of(args, model, tok, chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
-    name = "SmolLM2-135M" if tok is not None else f"checkpoint {args.model}"
+    name = ("SmolLM2-135M" if args.model is None else args.model) if tok is not None else f"checkpoint {args.model}"
     print(f"{name}, greedy, prompt of {len(prompt_ids)} tokens{' (chat template)' if chat else ''}, "
           f"up to {args.max_new_tokens} new tokens\n")
     runs = {}
