@@ -86,3 +86,21 @@ def test_minikv_memory_reads_the_layer_pattern_from_the_gemma_file(gemma3, capsy
     assert main(["memory", "--model", "gemma3", "--prompt-len", "2048", "--output-len", "0", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hybrid"]
     assert rep["layer_types"] == hybrid_kv_bytes(GEMMA3_270M, WINDOWS, 2048, "fp16")["layer_types"]
+
+
+def test_one_pool_holds_more_sequences_hybrid_than_all_full():
+    """``bench batching --model``'s engine on a small workload: the same pool, the same outputs; the hybrid side
+    gives the sliding groups' old blocks back, so it runs more sequences at once and preempts none."""
+    from minikv.bench.hybrid import geometry_model, hybrid_batching_benchmark, longest_request_bytes
+    from minikv.bench.workloads import Workload
+    from minikv.weights.random_models import random_gemma_model
+
+    config = random_gemma_model(num_layers=7, pattern=3, sliding_window=4, head_dim=8, max_position=128).config
+    wl = Workload(num_requests=8, prompt_median=24, prompt_range=(8, 48), output_median=12, output_range=(4, 24),
+                  shared_prefix_len=8, vocab_size=64)
+    model = geometry_model(config, 64, hidden_size=16)
+    res = hybrid_batching_benchmark(model, wl, 2 * longest_request_bytes(model, wl, 4), 4)
+    hybrid, full = res["hybrid"], res["all_full"]
+    assert res["identical_outputs"] and hybrid["generated_tokens"] == full["generated_tokens"]
+    assert hybrid["max_concurrency"] > full["max_concurrency"] and res["mean_concurrency_ratio"] > 1
+    assert hybrid["preemptions"] == 0 < full["preemptions"] and hybrid["peak_blocks"] < full["peak_blocks"]
