@@ -3,11 +3,10 @@
 One teacher-forced pass feeds the reference text token by token to five caches at once (``Fanout``: the
 weights and the 262,144-wide LM head are read once per token for all of them): the contiguous hybrid cache,
 the paged one with block sizes 16 and 5, paged 16 under step 6's sharing rule, and an all-full cache (the
-window ignored). The same pass leaves the caches for the prefix-hit test. Costs on a quiet 2-core machine
-(loading both models once per session: about 35 s for minikv, 90 s for transformers): transformers' pass
-35 s; the fanned-out pass about 2 minutes (1,039 steps); the greedy runs 5-30 s each, the speculative ones
-about as much. On a loaded machine (8 or more runnable processes on 2 cores) the module takes several
-times longer.
+window ignored). The same pass leaves the caches for the prefix-hit test. Loading both models costs about
+35 s (minikv) and 90 s (transformers) once per session on a quiet 2-core machine. Measured once, on a machine
+under load 10-15 (2 cores): the whole fixture, transformers' pass and the 1,039 fanned-out steps, 68 minutes
+of wall time for about 12 minutes of CPU; not yet measured on a quiet machine.
 """
 
 from __future__ import annotations
