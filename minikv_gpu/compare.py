@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from minikv import hybrid as cpu_hybrid
 from minikv import kv_cache as cpu_cache
 from minikv import mla as cpu_mla
 from minikv import paged as cpu_paged
@@ -32,6 +33,7 @@ from minikv.errors import ConfigError, InvalidInputError, check_int
 from minikv.generate import CACHE_KINDS  # the CPU side's registry of cache kinds: compare runs the lossless ones
 from minikv.model import Model as CpuModel
 from minikv.weights.random_models import random_model
+from minikv_gpu import hybrid as gpu_hybrid
 from minikv_gpu import kv_cache as gpu_cache
 from minikv_gpu import mla as gpu_mla
 from minikv_gpu import paged as gpu_paged
@@ -142,10 +144,27 @@ def _latent_pair(kind: str, model: CpuModel, max_len: int, cache_dtype, block_si
     return cpu_mla.LatentNoCache(**args, dtype=model.dtype), gpu_mla.LatentNoCache(**args, runtime=rt)
 
 
+def _hybrid_pair(kind: str, model: CpuModel, max_len: int, cache_dtype, block_size, rt):
+    """``_cache_pair`` for a model with sliding layers: ``minikv.hybrid.hybrid_cache`` (the paged one shares a
+    pool between groups) and ``minikv_gpu.hybrid.hybrid_cache`` (window kernels for the sliding groups, paged
+    or contiguous ones for the full group)."""
+    c = model.config
+    if kind == "none":  # the GPU NoCache attends over every key: it has no window to mask a sliding layer with
+        raise ConfigError("cache='none' on a model with sliding-window layers: the GPU path has no per-layer "
+                          "uncached attention; compare its caches with cache='contiguous' or 'paged'")
+    if kind == "paged":
+        check_int("block_size", block_size, hint="a positive number of token slots per block")
+    args = (kind, c.layer_windows, c.num_kv_heads, c.head_dim, max_len, 1, cache_dtype)
+    return (cpu_hybrid.hybrid_cache(*args, block_size=block_size),
+            gpu_hybrid.hybrid_cache(*args, block_size=block_size, runtime=rt))
+
+
 def _cache_pair(kind: str, model: CpuModel, gpu, max_len: int, cache_dtype, block_size, rt):
     """The NumPy cache and its GPU twin of ``kind``, sized for one sequence of ``max_len`` tokens."""
     if model.config.mla is not None:
         return _latent_pair(kind, model, max_len, cache_dtype, block_size, rt)
+    if any(w is not None for w in model.config.layer_windows):
+        return _hybrid_pair(kind, model, max_len, cache_dtype, block_size, rt)
     if kind == "paged":  # pools just large enough for the run
         check_int("block_size", block_size, hint="a positive number of token slots per block")
         num_blocks = cpu_paged.num_blocks_for(max_len, block_size)

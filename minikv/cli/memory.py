@@ -44,12 +44,14 @@ def _naming_flags(e: MinikvError) -> MinikvError:
 
 def add_memory(sub) -> None:
     from minikv.costs import DTYPE_BITS, KV_DTYPE_COSTS, MLP_KINDS, PRESETS
+    from minikv.costs.hybrid import HYBRID_PRESETS
 
     p = sub.add_parser("memory", help="KV-cache and weight memory; FLOPs per token with and without cache",
                        description="Memory and FLOPs of a model preset or of a shape given by flags "
                                    "(flags given with --preset override its fields). Sizes are printed in "
                                    "decimal GB (1e9 bytes) and binary GiB (2^30 bytes).")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a model whose shape and source minikv knows")
+    p.add_argument("--preset", choices=sorted({**PRESETS, **HYBRID_PRESETS}),
+                   help="a model whose shape and source minikv knows")
     p.add_argument("--list-presets", action="store_true", help="print the presets and their sources; exit")
     p.add_argument("--batch", type=int, default=1, help="sequences in the batch (default 1)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
@@ -72,12 +74,19 @@ def add_memory(sub) -> None:
     g.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                    help="output head tied to the embedding")
     p.add_argument("--json", action="store_true", help="also print one JSON line last (kv_cache_bytes, ...)")
-    plan.add_plan_flags(p)
+    plan.add_plan_flags(p)  # --model PATH: the capacity planner (minikv/cli/plan.py); --block-size
     p.set_defaults(func=_run_memory)
 
 
-def _shape(args):
-    """The ModelShape the flags describe: a preset, a preset with fields overridden, or a custom one."""
+def _hybrid(args) -> tuple:
+    """(shape, per-layer windows) of a hybrid ``--preset``; (None, None) otherwise (``--model``: the planner)."""
+    from minikv.costs.hybrid import HYBRID_PRESETS
+
+    return HYBRID_PRESETS.get(args.preset, (None, None))
+
+
+def _shape(args, base=None):
+    """The ModelShape the flags describe: a preset (or ``base``, a model's), with fields overridden, or a custom one."""
     from minikv.costs import ModelShape, get_preset
 
     fields = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items() if getattr(args, flag) is not None}
@@ -85,8 +94,8 @@ def _shape(args):
         fields["mlp"] = args.mlp
     if args.tied is not None:
         fields["tie_embeddings"] = args.tied
-    if args.preset:
-        shape = get_preset(args.preset)
+    if args.preset or base is not None:
+        shape = base if base is not None else get_preset(args.preset)
         if fields:
             shape = shape.replace(name=f"{shape.name} (modified: {', '.join(sorted(fields))})", source="",
                                   published_params=None, **fields)
@@ -103,21 +112,35 @@ def _run_memory(args) -> int:
     if args.model is not None:  # the capacity planner: minikv/cli/plan.py
         return plan.run_plan(args)
     if args.list_presets:
-        for name, shape in PRESETS.items():
+        from minikv.costs.hybrid import HYBRID_PRESETS
+
+        for name, shape in {**PRESETS, **{k: v[0] for k, v in HYBRID_PRESETS.items()}}.items():
             print(f"{name:16s} {shape.attention_kind}  {shape.source}")
         return 0
     try:
-        shape = _shape(args)
+        base, windows = _hybrid(args)
+        shape = _shape(args, base)
         rep = memory_report(shape, args.batch, args.prompt_len, args.output_len, args.dtype, args.weights_dtype,
                             args.group_size, args.scale_bytes)
     except MinikvError as e:
         raise _naming_flags(e) from e
     print(render_report(rep, shape, field_label=flag_of))
+    if windows is not None and any(w is not None for w in windows):
+        rep["hybrid"] = _hybrid_lines(shape, windows, args, rep["tokens_per_sequence"])
     if args.kv_dtype is not None:
         rep.update(_kv_dtype_lines(shape, args, rep["tokens_per_sequence"] * args.batch))
     if args.json:
         print_json(rep)
     return 0
+
+
+def _hybrid_lines(shape, windows, args, tokens: int) -> dict:
+    """Print a hybrid model's bytes per layer type against all-full (``minikv.costs.hybrid``); its JSON."""
+    from minikv.costs.hybrid import hybrid_kv_bytes, render_hybrid
+
+    rep = hybrid_kv_bytes(shape, windows, tokens, args.dtype, args.batch, block_size=args.block_size)
+    print(render_hybrid(rep))
+    return rep
 
 
 def _kv_dtype_lines(shape, args, tokens: int) -> dict:

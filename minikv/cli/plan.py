@@ -8,6 +8,8 @@ most sequences at ``--context``, the longest context at ``--sequences``. ``--jso
 
 from __future__ import annotations
 
+import os
+
 from minikv.cli.common import print_json
 
 
@@ -17,7 +19,8 @@ def add_plan_flags(p) -> None:
     g = p.add_argument_group("capacity planner (with --model)")
     g.add_argument("--model", default=None, help="HF directory, config.json, GGUF file or planner preset: plan its KV")
     g.add_argument("--kv", choices=sorted(KV_ITEMSIZE), default="bf16", help="KV dtype for --model (default bf16)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block for --model (default 16)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per block (default 16): the planner's rounding, a hybrid --preset's paged numbers")
     g.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     g.add_argument("--kv-budget", type=float, default=80.0, help="KV memory budget in GB (1e9 bytes; default 80)")
     g.add_argument("--sequences", type=int, default=1, help="concurrency N for the longest-context answer")
@@ -28,7 +31,12 @@ def run_plan(args) -> int:
     from minikv.errors import MinikvError, check_int
 
     try:
-        plan = plan_from_path(args.model)
+        path = args.model
+        if path == "gemma3" and not os.path.exists(path):  # the installed package's file, as --model gemma3 elsewhere
+            from minikv.weights.gemma import find_gemma_file
+
+            path = str(find_gemma_file())
+        plan = plan_from_path(path)
     except MinikvError as e:  # one line naming the flag that gave the path
         raise type(e)(f"--model {args.model}: {e}") from e
     size, bs = KV_ITEMSIZE[args.kv], check_int("--block-size", args.block_size)

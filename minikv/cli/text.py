@@ -202,7 +202,8 @@ def _policy_of(model, args, quant: dict) -> dict | None:
 
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="generate with SmolLM2 twice, without and with the KV cache; compare speeds")
+    p = sub.add_parser("demo", help="generate with SmolLM2 (or --model) twice, without and with the KV cache; "
+                                          "compare speeds")
     add_prompt_flags(p, default="Explain in one paragraph why the sky is blue.")
     p.add_argument("--max-new-tokens", type=int, default=64)
     add_model_flag(p)
@@ -214,10 +215,11 @@ def _run_demo(args) -> int:
     from minikv.generate import GREEDY, check_context
 
     model, tok = load_model_arg(args.model)
-    chat = args.prompt_ids is None  # ids are fed as given
+    # ids are fed as given; so is text to a base model without a chat template (Gemma-3-270M)
+    chat = args.prompt_ids is None and getattr(tok, "chat_template", None) is not None
     prompt_ids = prompt_ids_of(args, model, tok, chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
-    name = "SmolLM2-135M" if tok is not None else f"checkpoint {args.model}"
+    name = ("SmolLM2-135M" if args.model is None else args.model) if tok is not None else f"checkpoint {args.model}"
     print(f"{name}, greedy, prompt of {len(prompt_ids)} tokens{' (chat template)' if chat else ''}, "
           f"up to {args.max_new_tokens} new tokens\n")
     runs = {}

@@ -1,5 +1,5 @@
 // model.cu: the element-wise and row-wise building blocks of the Llama-style
-// decoder (minikv/model.py): RMSNorm, RoPE in both pair layouts, SwiGLU.
+// decoder (minikv/model.py): RMSNorm, RoPE in both pair layouts, SwiGLU and GeGLU (Gemma).
 // Matrix products are not here: minikv_gpu.model calls xp.matmul (cuBLAS).
 //
 // All activations are float32 and row-major. N = packed tokens, H = hidden
@@ -113,11 +113,39 @@ extern "C" __global__ void silu_v1(const float* x, float* out, long long n) {
 //   bytes: reads 8*N*I, writes 4*N*I (unfused: silu, then multiply, would
 //          move 4*N*I more for the intermediate, twice).
 // ---------------------------------------------------------------------------
+// The (gate, up) pair of output element idx of a gated MLP over gate_up [N, 2I]; false past the end.
+__device__ __forceinline__ bool gate_pair(const float* __restrict__ gate_up, long long idx, int n_tokens,
+                                          int inter, float* g, float* u) {
+    if (idx >= (long long)n_tokens * inter) return false;
+    const long long n = idx / inter, j = idx % inter;
+    *g = gate_up[n * 2 * inter + j];
+    *u = gate_up[n * 2 * inter + inter + j];
+    return true;
+}
+
 extern "C" __global__ void swiglu_v1(const float* __restrict__ gate_up, float* __restrict__ out, int n_tokens,
                                      int inter) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n_tokens * inter) return;
-    const long long n = idx / inter, j = idx % inter;
-    const float g = gate_up[n * 2 * inter + j], u = gate_up[n * 2 * inter + inter + j];
-    out[idx] = silu_f(g) * u;
+    float g, u;
+    if (gate_pair(gate_up, idx, n_tokens, inter, &g, &u)) out[idx] = silu_f(g) * u;
+}
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as minikv.layers.gelu_tanh
+// (Gemma's gelu_pytorch_tanh).
+__device__ __forceinline__ float gelu_tanh_f(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * (x * x * x))));
+}
+
+// ---------------------------------------------------------------------------
+// geglu_v1: Gemma's MLP gate, fused as swiglu_v1: out[n, j] = gelu_tanh(gate_up[n, j]) * gate_up[n, I + j].
+//
+//   gate_up: [N, 2I] float32, out: [N, I] float32
+//   grid = (ceil(N*I / 256)), block = (256), one thread per output element
+//   bytes: reads 8*N*I, writes 4*N*I.
+// ---------------------------------------------------------------------------
+extern "C" __global__ void geglu_v1(const float* __restrict__ gate_up, float* __restrict__ out, int n_tokens,
+                                    int inter) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    float g, u;
+    if (gate_pair(gate_up, idx, n_tokens, inter, &g, &u)) out[idx] = gelu_tanh_f(g) * u;
 }

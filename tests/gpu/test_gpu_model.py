@@ -42,6 +42,17 @@ def test_silu_and_swiglu(rt, n, i):
     assert rel_err(rt.asnumpy(gpu.silu(rt.asarray(gate_up), runtime=rt)), ref.silu(gate_up)) <= RTOL
 
 
+@pytest.mark.parametrize("n,i", [(0, 5), (3, 33)])
+def test_geglu_is_gemmas_gate(rt, n, i):
+    from minikv.layers import gelu_tanh
+
+    gate_up = (np.random.default_rng(i).standard_normal((n, 2 * i)) * 4).astype(np.float32)
+    got = rt.asnumpy(gpu.geglu(rt.asarray(gate_up), runtime=rt))
+    assert got.shape == (n, i) and rel_err(got, gelu_tanh(gate_up[:, :i]) * gate_up[:, i:]) <= RTOL
+    if n:  # not SwiGLU's gate
+        assert rel_err(got, ref.silu(gate_up[:, :i]) * gate_up[:, i:]) > 1e-2
+
+
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @pytest.mark.parametrize("n,heads,d", [(0, 2, 8), (1, 3, 64), (7, 5, 128)])
 def test_apply_rope_both_layouts(rt, layout, n, heads, d):
