@@ -387,7 +387,8 @@ def test_cli_generate_speculative_reports_acceptance_and_speedup(capsys, checkpo
     assert r["draft_len"] == 3 and r["speedup"] > 0
     assert "acceptance" in out.err and "speed-up" in out.err
     for extra, fix in ((["--speculative", "ngram", "--draft-len", "0"], "--draft-len=0"),
-                       (["--speculative", "ngram", "--cache", "window", "--window", "8"], "use --cache contiguous or paged")):
+                       (["--speculative", "ngram", "--cache", "window", "--window", "8"],
+                        "use --cache contiguous or paged")):
         assert main([*argv, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fix in err[0]

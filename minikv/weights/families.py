@@ -128,7 +128,8 @@ def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
                 rope_layout="half", rope_scaling=scaling)
     extra = _FAMILY_OPTIONS[arch](cfg)
     if arch == "Gemma2ForCausalLM":
-        cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)  # _common checks a Llama's hidden_act; Gemma's is read above
+        # _common checks a Llama's hidden_act; Gemma's is read above
+        cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)
     return ModelConfig(**base._common(cfg, **geometry, **extra))
 
 
