@@ -1,16 +1,18 @@
 """Gemma-3-270M, a real hybrid model, through minikv's per-layer caches, against transformers 5.24 on the same GGUF.
 
-One teacher-forced pass feeds the reference text token by token to five caches at once (``Fanout``: the
-weights and the 262,144-wide LM head are read once per token for all of them): the contiguous hybrid cache,
-the paged one with block sizes 16 and 5, paged 16 under step 6's sharing rule, and an all-full cache (the
-window ignored). The same pass leaves the caches for the prefix-hit test. Loading both models costs about
-35 s (minikv) and 90 s (transformers) once per session on a quiet 2-core machine. The whole fixture,
-transformers' pass and the 1,039 fanned-out steps, took 498 s on the 2-core machine with one other job running
-(this module, test_gemma_gguf and test_hybrid_memory: 669 s in all).
+One teacher-forced pass feeds the reference text to five caches at once (``Fanout``: the weights are read once
+per step for all of them), in steps of 1, 2 and 30 tokens: the contiguous hybrid cache, the paged one with block
+sizes 16 and 5, paged 16 under step 6's sharing rule, and an all-full cache (the window ignored). The pass keeps
+final hidden states; the 262,144-wide LM head runs only for the rows a test reads. The same pass leaves the
+caches for the prefix-hit test. Loading both models costs about 35 s (minikv) and 90 s (transformers) once per
+session on a quiet 2-core machine. Fed one token per step through the LM head, the fixture took 498 s on the
+2-core machine with one other job running. As it is now, its parts measured at load average 2-3: minikv's pass
+24 s, the two NLL heads 8 s, transformers' pass and head 7 s.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack, contextmanager
 
 import numpy as np
@@ -21,12 +23,14 @@ from minikv.bench.equivalence import assert_close
 from minikv.generate import generate
 from minikv.hybrid import HybridPagedKVCache, hybrid_cache
 from minikv.kv_cache import ContiguousKVCache
+from minikv.layers import linear
 
 pytestmark = [pytest.mark.gemma, pytest.mark.reference, pytest.mark.slow]
 
 N_TEXT = 1040  # tokens of the reference text: past 2 W, so every ring wraps twice
 HIT = 1024  # the longest prefix hit on N_TEXT tokens in blocks of 16 (one token must be fed)
 CHUNK = 64
+FEED_CYCLE = (1, 2, 30)  # minikv's step sizes in the teacher-forced pass
 
 
 def hybrid(model, max_len: int, add: bool = True):
@@ -104,13 +108,26 @@ def tight_paged(model, sliding_rule: bool):
     return paged(model, 16, size, sliding_rule=sliding_rule)
 
 
+def feed_schedule(n: int, cycle=FEED_CYCLE) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(n)``: steps of the sizes in ``cycle``, repeated. A 33-token
+    cycle moves the single-token steps to a new phase of every block (16, 5) and of the window (512) each round."""
+    spans, a, i = [], 0, 0
+    while a < n:
+        b = min(n, a + cycle[i % len(cycle)])
+        spans.append((a, b))
+        a, i = b, i + 1
+    return spans
+
+
 @pytest.fixture(scope="module")
 def teacher_forced(gemma3, gemma3_hf, require) -> dict:
-    """Per-token NLL of the first N_TEXT tokens of the reference text: transformers (one pass), and minikv one
-    token at a time through each cache under test, in one ``Fanout`` (the contiguous hybrid cache; paged with
-    block sizes 16 and 5; paged 16 with step 6's sharing rule, in a tight pool; and an all-full cache, the
-    window ignored as an engine that ignores layer_types would). Also the last logits of the first paged run
-    and its cache, for the prefix hit."""
+    """The first N_TEXT tokens of the reference text, teacher-forced. transformers: per-token NLL, one pass.
+    minikv: the final normed hidden states [N_TEXT - 1, H] through each cache under test, in one ``Fanout``
+    (the contiguous hybrid cache; paged with block sizes 16 and 5; paged 16 with step 6's sharing rule, in a
+    tight pool; and an all-full cache, the window ignored as an engine that ignores layer_types would), fed in
+    steps of 1, 2 and 30 tokens (``feed_schedule``): single-token decode steps and multi-token chunks, at every
+    phase of the rings and blocks. The 262,144-wide LM head then runs only where a test needs logits: the NLL
+    of the contiguous and all-full runs, and the paged run's logits past ``HIT`` (for the prefix hit)."""
     torch = require("torch")
     model, tok = gemma3
     ids = reference_tokens(tok, N_TEXT)
@@ -125,23 +142,36 @@ def teacher_forced(gemma3, gemma3_hf, require) -> dict:
             "window ignored": ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 1, N_TEXT)}
     for cache in runs.values():
         cache.add_sequence(0, *([inputs] if isinstance(cache, HybridPagedKVCache) else []))
-    fan, out, tail = Fanout(model, list(runs.values())), {k: [] for k in runs}, []
-    for i, t in enumerate(inputs):
-        logits = model.forward([[t]] * len(runs), fan, list(range(len(runs))))
-        for name, row in zip(runs, logits):
-            out[name].append(nll(row[None], targets[i:i + 1])[0])
-        if i >= HIT:
-            tail.append(logits[list(runs).index("paged 16")])
-    return {"transformers": hf, **{k: np.array(v) for k, v in out.items()}, "ids": ids, "tail": np.array(tail),
-            "caches": runs}
+    # The same model with the identity as its LM head returns the final normed hidden states as its "logits"
+    # (exactly: x @ I), so the head's 168M multiply-adds per token run only for the rows a test reads.
+    assert c.final_softcap is None
+    head, heads_off = model.lm_head, copy.copy(model)
+    heads_off.lm_head = np.eye(c.hidden_size, dtype=head.dtype)
+    fan, states = Fanout(model, list(runs.values())), {k: [] for k in runs}
+    for a, b in feed_schedule(len(inputs)):
+        h = heads_off.forward([inputs[a:b]] * len(runs), fan, list(range(len(runs))), all_logits=True)
+        for name, rows in zip(runs, np.split(h, len(runs))):  # member i's b - a rows, in order
+            states[name].append(rows)
+    states = {k: np.concatenate(v) for k, v in states.items()}
+    ours = {k: np.concatenate([nll(linear(states[k][a:a + CHUNK], head), targets[a:a + CHUNK])
+                               for a in range(0, len(targets), CHUNK)]) for k in ("hybrid", "window ignored")}
+    return {"transformers": hf, **ours, "states": states, "ids": ids, "caches": runs,
+            "tail": linear(states["paged 16"][HIT:], head)}
 
 
-@pytest.mark.parametrize("run", ["hybrid", "paged 16", "paged 5"])
-def test_nll_through_the_hybrid_cache_matches_transformers(teacher_forced, run):
-    hf, ours = teacher_forced["transformers"].mean(), teacher_forced[run].mean()
-    print(f"mean NLL over {N_TEXT - 1} tokens: transformers {hf:.6f}, minikv {run} {ours:.6f}, "
+def test_nll_through_the_hybrid_cache_matches_transformers(teacher_forced):
+    hf, ours = teacher_forced["transformers"].mean(), teacher_forced["hybrid"].mean()
+    print(f"mean NLL over {N_TEXT - 1} tokens: transformers {hf:.6f}, minikv {ours:.6f}, "
           f"relative difference {abs(ours - hf) / hf:.2e}")
     assert abs(ours - hf) / hf <= 1e-4
+
+
+@pytest.mark.parametrize("run", ["paged 16", "paged 5", "step 6 rule"])
+def test_the_paged_hybrid_caches_equal_the_contiguous_one(teacher_forced, run):
+    """Every final hidden state, token by token, equals the contiguous hybrid cache's (whose NLL matches
+    transformers above): a stronger check than the mean NLL, and it needs no LM head."""
+    states = teacher_forced["states"]
+    assert_close(states[run], states["hybrid"], np.float32, what=f"{run} vs the contiguous hybrid cache")
 
 
 def test_ignoring_the_window_changes_the_nll(teacher_forced):
