@@ -3,9 +3,10 @@
 Each family's checkpoint is built by transformers from a config with a fixed seed (odd sizes: hidden 30,
 6 query heads over 2 KV heads, head_dim 8, vocabulary 61), its weights drawn at O(1) effect, and saved
 with ``save_pretrained``; minikv loads the directory and must give transformers' teacher-forced logits
-(eager attention, float32, 1e-4 relative) uncached, through a contiguous and a paged cache (hybrid
-caches for the families with sliding layers: their paged form is not built yet), and the same greedy
-tokens. Sliding windows sit one below and one above the prompt length, so a window both cuts and not.
+(eager attention, float32, 1e-4 relative) uncached, through a contiguous and a paged cache (the hybrid
+caches, contiguous and paged, for the families with sliding layers; blocks of 3 tokens, which divide
+neither window), and the same greedy tokens. Sliding windows sit one below and one above the prompt
+length, so a window both cuts and not.
 Bad checkpoints (a missing tensor, a wrong shape, an expert count that does not match, an unsupported
 option) are each a ModelFormatError naming the problem.
 """
@@ -37,8 +38,12 @@ FAMILIES = {  # name: (config class, model class, overrides)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=PROMPT - 1, query_pre_attn_scalar=12,
                                                           attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
                                                           tie_word_embeddings=True)),
+    "gemma2-w10": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=PROMPT + 1, query_pre_attn_scalar=12,
+                                                              attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=PROMPT - 1, num_local_experts=4,
                                                            num_experts_per_tok=2)),
+    "gpt-oss-w10": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=PROMPT + 1, num_local_experts=4,
+                                                               num_experts_per_tok=2)),
     "deepseek-moe": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         kv_lora_rank=11, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=5, v_head_dim=7, head_dim=4,
         num_key_value_heads=6, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -95,8 +100,7 @@ def test_family_matches_transformers(require, saved, family):
     ids = np.random.default_rng(5).integers(0, VOCAB, PROMPT).tolist()
     want = _hf_logits(torch, hf, ids)
     assert_close(model.logits(ids), want, np.float32, what="uncached logits")
-    sliding = any(w is not None for w in model.config.layer_windows)
-    kinds = ("contiguous",) if sliding else ("contiguous", "paged")
+    kinds = ("contiguous", "paged")
     for kind in kinds:
         cache = make_cache(kind, model, max_len=PROMPT + NEW, block_size=3)
         cache.add_sequence(0)
@@ -111,16 +115,17 @@ def test_family_matches_transformers(require, saved, family):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("family", ["gemma2", "gpt-oss"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "gemma2-w10"])
 def test_float64_cached_equals_uncached(require, saved, family):
     _, path = saved(family)
     model = load_checkpoint(path, dtype=np.float64)
     ids = np.random.default_rng(6).integers(0, VOCAB, PROMPT + 2).tolist()
-    cache = make_cache("contiguous", model, max_len=PROMPT + 2)
-    cache.add_sequence(0)
-    got = np.concatenate([model.forward([ids[:3]], cache, all_logits=True)] + [model.forward([[t]], cache)
-                                                                                for t in ids[3:]])
-    assert_close(got, model.logits(ids), np.float64)
+    for kind in ("contiguous", "paged"):
+        cache = make_cache(kind, model, max_len=PROMPT + 2, block_size=3)
+        cache.add_sequence(0)
+        got = np.concatenate([model.forward([ids[:3]], cache, all_logits=True)] + [model.forward([[t]], cache)
+                                                                                    for t in ids[3:]])
+        assert_close(got, model.logits(ids), np.float64, what=f"{kind} hybrid cache")
 
 
 @pytest.mark.reference
