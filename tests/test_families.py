@@ -32,6 +32,11 @@ LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_facto
 FAMILIES = {  # name: (config class, model class, overrides)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=10)),  # head_dim != hidden / heads
+    # use_sliding_window: layers max_window_layers .. L - 1 slide (here layer 1 of 2)
+    "qwen2-sw": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=PROMPT - 1,
+                                                         max_window_layers=1)),
+    "qwen3-sw": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=10, use_sliding_window=True,
+                                                         sliding_window=PROMPT + 1, max_window_layers=1)),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3)),
     "mistral-w8": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=PROMPT - 1)),
     "mistral-w10": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=PROMPT + 1)),
@@ -148,6 +153,29 @@ def test_each_option_shows_in_the_logits(require, saved):
         assert arch_ok or load_checkpoint(path).config.rope_scaling is not None
 
 
+@pytest.mark.reference
+def test_qwen2_sliding_layers_from_max_window_layers(require, saved):
+    """Older Qwen2 config.json files name no ``layer_types``: the sliding layers are those from
+    ``max_window_layers`` on (transformers' ``Qwen2Config.__post_init__``), and they show in the logits."""
+    torch = require("torch")
+    hf, path = saved("qwen2-sw")
+    ids = np.random.default_rng(5).integers(0, VOCAB, PROMPT).tolist()
+    want = _hf_logits(torch, hf, ids)
+    cfg = json.loads((path / "config.json").read_text())
+    try:
+        for over, windows in [(dict(layer_types=None), (None, PROMPT - 1)), (dict(max_window_layers=0), (PROMPT - 1,) * 2),
+                              (dict(use_sliding_window=False), (None, None))]:
+            (path / "config.json").write_text(json.dumps({**cfg, **over, "layer_types": None}))
+            model = load_checkpoint(path)
+            assert model.config.layer_windows == windows, over
+            if "layer_types" in over:
+                assert_close(model.logits(ids), want, np.float32, what="layer types derived")
+            else:
+                assert rel_err(model.logits(ids), want) > 1e-3, over
+    finally:
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
 # --- bad checkpoints ------------------------------------------------------------------------------
 
 
@@ -177,7 +205,7 @@ def _broken(path, tmp_path, name, drop=None, reshape=None, config=None):
     ("gpt-oss", dict(config=dict(num_local_experts=3)), "holds 4 experts; config.json says 3"),
     ("deepseek-moe", dict(config=dict(n_routed_experts=3, n_group=1)),
      "more experts than config.json's n_routed_experts=3"),
-    ("qwen2", dict(config=dict(use_sliding_window=True)), "use_sliding_window"),
+    ("qwen2", dict(config=dict(layer_types=["sliding_attention", "full_attention"])), "sliding_window"),
     ("gemma2", dict(config=dict(rope_parameters=dict(rope_type="linear", factor=2.0))), "rope_type 'linear'"),
     ("qwen2", dict(config=dict(architectures=["Qwen2MoeForCausalLM"])), "Qwen2MoeForCausalLM"),
 ])

@@ -5,9 +5,10 @@ and where transformers 5.24 defines it (``models/<family>/modeling_<family>.py``
 
 =====================  ==========================================================================
 Qwen2ForCausalLM       ``qkv_bias``: q/k/v projections carry biases, added before RoPE (the cached key
-                       carries its bias); every layer full attention unless ``use_sliding_window``
+                       carries its bias); every layer full attention unless ``use_sliding_window``:
+                       then layers ``max_window_layers`` and up slide (``_qwen_window``)
 Qwen3ForCausalLM       ``qk_norm`` (a plain RMSNorm over each head, before RoPE) and an explicit
-                       ``head_dim`` that need not be hidden / heads
+                       ``head_dim`` that need not be hidden / heads; sliding layers as Qwen2's
 LlamaForCausalLM       with ``rope_type: llama3`` (Llama 3.1+): ``Llama3Scaling`` (below); a plain Llama
                        stays with ``minikv.weights.checkpoints``
 MistralForCausalLM     ``sliding_window`` on every layer (v0.1: 4096); null means full attention
@@ -22,7 +23,7 @@ DeepseekV3ForCausalLM  with MoE layers (``first_k_dense_replace`` < layers): MLA
                        routing with a shared expert in the MoE layers
 =====================  ==========================================================================
 
-An option of a family that minikv does not implement (a Qwen2 with ``use_sliding_window``, a rope
+An option of a family that minikv does not implement (a Qwen3 with ``attention_bias``, a rope
 type other than the family's, an MoE layer of the wrong expert count) is a ``ModelFormatError``
 naming it. This module is reached through ``minikv.weights.checkpoints.load_checkpoint``, which hands
 itself in as ``base`` (its tensor reader and the config/weight helpers shared with Llama and DeepSeek),
@@ -133,14 +134,25 @@ def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
     return ModelConfig(**base._common(cfg, **geometry, **extra))
 
 
+def _qwen_window(cfg: Fields) -> dict:
+    """Qwen2/Qwen3's sliding layers: with ``use_sliding_window``, layers ``max_window_layers`` .. L - 1 slide
+    over ``sliding_window`` keys and the first ones stay full; without it the window is None (transformers
+    5.24, ``Qwen2Config.__post_init__``; Qwen3's is the same). A ``layer_types`` in config.json wins; a
+    sliding layer with no window is refused (``check_layer_types``), as transformers' mask refuses it."""
+    w = cfg.integer("sliding_window", None) if cfg.flag("use_sliding_window", False) else None
+    n, first = cfg.integer("num_hidden_layers"), cfg.integer("max_window_layers", 28, minimum=0)
+    types = _layer_types(cfg, None, False) or tuple(
+        "sliding_attention" if w is not None and i >= first else "full_attention" for i in range(n))
+    return dict(layer_types=types, sliding_window=w) if "sliding_attention" in types else {}
+
+
 def _qwen2(cfg: Fields) -> dict:
-    _refuse(cfg, "use_sliding_window")
-    return dict(qkv_bias=True)
+    return dict(qkv_bias=True, **_qwen_window(cfg))
 
 
 def _qwen3(cfg: Fields) -> dict:
-    _refuse(cfg, "use_sliding_window", "attention_bias")
-    return dict(qk_norm=True)
+    _refuse(cfg, "attention_bias")
+    return dict(qk_norm=True, **_qwen_window(cfg))
 
 
 def _llama3(cfg: Fields) -> dict:
