@@ -45,6 +45,12 @@ FAMILIES = {  # name: (config class, model class, overrides)
                                                           tie_word_embeddings=True)),
     "gemma2-w10": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=PROMPT + 1, query_pre_attn_scalar=12,
                                                               attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=PROMPT - 1, query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=4.0, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            full_attention=dict(rope_type="default", rope_theta=5000.0)))),
+    "gemma3-w10": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=PROMPT + 1, sliding_window_pattern=2)),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=PROMPT - 1, num_local_experts=4,
                                                            num_experts_per_tok=2)),
     "gpt-oss-w10": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=PROMPT + 1, num_local_experts=4,
@@ -120,7 +126,7 @@ def test_family_matches_transformers(require, saved, family):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "gemma2-w10"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "gemma2-w10", "gemma3"])
 def test_float64_cached_equals_uncached(require, saved, family):
     _, path = saved(family)
     model = load_checkpoint(path, dtype=np.float64)
@@ -163,7 +169,8 @@ def test_qwen2_sliding_layers_from_max_window_layers(require, saved):
     want = _hf_logits(torch, hf, ids)
     cfg = json.loads((path / "config.json").read_text())
     try:
-        for over, windows in [(dict(layer_types=None), (None, PROMPT - 1)), (dict(max_window_layers=0), (PROMPT - 1,) * 2),
+        for over, windows in [(dict(layer_types=None), (None, PROMPT - 1)),
+                              (dict(max_window_layers=0), (PROMPT - 1,) * 2),
                               (dict(use_sliding_window=False), (None, None))]:
             (path / "config.json").write_text(json.dumps({**cfg, **over, "layer_types": None}))
             model = load_checkpoint(path)
@@ -172,6 +179,24 @@ def test_qwen2_sliding_layers_from_max_window_layers(require, saved):
                 assert_close(model.logits(ids), want, np.float32, what="layer types derived")
             else:
                 assert rel_err(model.logits(ids), want) > 1e-3, over
+    finally:
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.reference
+def test_gemma2_softcaps_absent_take_the_class_defaults(require, saved):
+    """Gemma2Config's defaults (50, 30) where config.json leaves the keys out; a JSON null turns a cap off."""
+    transformers = require("transformers")
+    _, path = saved("gemma2")
+    cfg = json.loads((path / "config.json").read_text())
+    want = transformers.Gemma2Config()
+    try:
+        absent = {k: v for k, v in cfg.items() if not k.endswith("_logit_softcapping")}
+        for written, caps in [(absent, (want.attn_logit_softcapping, want.final_logit_softcapping)),
+                              ({**cfg, "final_logit_softcapping": None}, (3.0, None))]:
+            (path / "config.json").write_text(json.dumps(written))
+            c = load_checkpoint(path).config
+            assert (c.attn_softcap, c.final_softcap) == caps
     finally:
         (path / "config.json").write_text(json.dumps(cfg))
 
@@ -207,6 +232,9 @@ def _broken(path, tmp_path, name, drop=None, reshape=None, config=None):
      "more experts than config.json's n_routed_experts=3"),
     ("qwen2", dict(config=dict(layer_types=["sliding_attention", "full_attention"])), "sliding_window"),
     ("gemma2", dict(config=dict(rope_parameters=dict(rope_type="linear", factor=2.0))), "rope_type 'linear'"),
+    ("gemma3", dict(config=dict(attn_logit_softcapping=3.0)), "does not apply it"),
+    ("gemma3", dict(config=dict(rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0)))),
+     "rope_type 'default' only"),
     ("qwen2", dict(config=dict(architectures=["Qwen2MoeForCausalLM"])), "Qwen2MoeForCausalLM"),
 ])
 def test_bad_checkpoints_name_the_problem(require, saved, tmp_path, family, bad, message):

@@ -15,6 +15,8 @@ MistralForCausalLM     ``sliding_window`` on every layer (v0.1: 4096); null mean
 Gemma2ForCausalLM      alternating sliding / full layers (``layer_types``), ``attn_softcap`` (per tile,
                        inside the online softmax) and ``final_softcap``, Gemma's four norms of 1 + w,
                        GeGLU, ``query_pre_attn_scalar``, the embedding scaled by sqrt(hidden)
+Gemma3ForCausalLM      (text) Gemma 2 with QK-norm, every 6th layer full (``sliding_window_pattern``), a RoPE
+                       base per layer type (10k sliding, 1M full); no attention soft-cap (transformers ignores it)
 GptOssForCausalLM      learned ``sinks`` per head, biases on q/k/v/o, alternating 128-token sliding and
                        full layers, YaRN for every layer, and a mixture-of-experts MLP (``minikv.moe``:
                        top-k then softmax, interleaved gate/up, clamped SwiGLU)
@@ -42,9 +44,11 @@ from minikv.layers import ACTIVATIONS
 from minikv.model import LayerWeights, ModelConfig
 from minikv.moe import MoEConfig, MoEWeights
 from minikv.weights.checks import Fields
+from minikv.weights.gemma import gemma3_layer_types
 
 FAMILIES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
-            "GptOssForCausalLM")
+            "Gemma3ForCausalLM", "GptOssForCausalLM")
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # whose RMSNorms multiply by 1 + w
 
 
 @dataclass(frozen=True)
@@ -127,11 +131,11 @@ def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
                                 rp.integer("original_max_position_embeddings"))
     geometry = dict(num_kv_heads=cfg.integer("num_key_value_heads", heads), head_dim=head_dim, rope_theta=theta,
                 rope_layout="half", rope_scaling=scaling)
-    extra = _FAMILY_OPTIONS[arch](cfg)
-    if arch == "Gemma2ForCausalLM":
+    extra = _FAMILY_OPTIONS[arch](cfg)  # (Gemma-3 names its own head_dim default and RoPE bases)
+    if arch in GEMMAS:
         # _common checks a Llama's hidden_act; Gemma's is read above
         cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)
-    return ModelConfig(**base._common(cfg, **geometry, **extra))
+    return ModelConfig(**base._common(cfg, **{**geometry, **extra}))
 
 
 def _qwen_window(cfg: Fields) -> dict:
@@ -165,16 +169,46 @@ def _mistral(cfg: Fields) -> dict:
     return {} if w is None else dict(layer_types=_layer_types(cfg, "sliding_attention", False), sliding_window=w)
 
 
-def _gemma2(cfg: Fields) -> dict:
-    _refuse(cfg, "attention_bias")
+def _gemma(cfg: Fields, softcaps: tuple) -> dict:
+    """What Gemma 2 and Gemma 3 share: the four norms of 1 + w, GeGLU, the embedding scaled by sqrt(hidden), the
+    attention scale 1/sqrt(query_pre_attn_scalar), and the two soft-caps (``softcaps``: the config class's
+    defaults for (attention, final) where config.json leaves them out)."""
+    _refuse(cfg, "attention_bias", "use_bidirectional_attention")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
-    return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 4096),
-                hidden_act=act, sandwich_norms=True, embed_scale=cfg.integer("hidden_size") ** 0.5,
+    return dict(hidden_act=act, sandwich_norms=True, embed_scale=cfg.integer("hidden_size") ** 0.5,
                 query_pre_attn_scalar=cfg.number("query_pre_attn_scalar", 256.0),
-                attn_softcap=cfg.number("attn_logit_softcapping", None),
-                final_softcap=cfg.number("final_logit_softcapping", None))
+                # a JSON null turns a cap off; an absent key takes the class default
+                **{ours: cfg.number(key, None) if key in cfg else default for ours, key, default in (
+                    ("attn_softcap", "attn_logit_softcapping", softcaps[0]),
+                    ("final_softcap", "final_logit_softcapping", softcaps[1]))})
+
+
+def _gemma2(cfg: Fields) -> dict:
+    return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 4096),
+                **_gemma(cfg, (50.0, 30.0)))  # Gemma2Config's defaults
+
+
+def _gemma3(cfg: Fields) -> dict:
+    """Gemma 3 text: Gemma 2 with QK-norm (of 1 + w), every ``sliding_window_pattern``-th layer full (default 6),
+    and a RoPE base per layer type (``rope_parameters``, or the older ``rope_theta``/``rope_local_base_freq``;
+    transformers 5.24's ``Gemma3TextConfig`` and its defaults). The final soft-cap applies as Gemma 2's; the
+    attention one is refused: ``Gemma3Attention`` does not pass it to its attention function."""
+    if cfg.get("attn_logit_softcapping") is not None:  # Gemma3Attention keeps it but never passes it on
+        raise ModelFormatError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']!r}: transformers 5.24's "
+                               "Gemma-3 reads it but does not apply it, so minikv refuses to guess (set it to null)")
+    rp = cfg.obj("rope_parameters")
+    full, sliding = rp.obj("full_attention"), rp.obj("sliding_attention")
+    if full.get("rope_type", "default") != "default" or sliding.get("rope_type", "default") != "default":
+        raise ModelFormatError(f"rope_parameters={dict(rp)}: minikv reads Gemma-3 with rope_type 'default' only")
+    types = _layer_types(cfg, None, False) or gemma3_layer_types(cfg.integer("num_hidden_layers"),
+                                                                 cfg.integer("sliding_window_pattern", 6))
+    return dict(layer_types=types, sliding_window=cfg.integer("sliding_window", None), qk_norm=True,
+                head_dim=cfg.integer("head_dim", None) or 256,
+                rope_theta=full.number("rope_theta", cfg.number("rope_theta", 1_000_000.0)),
+                sliding_rope_theta=sliding.number("rope_theta", cfg.number("rope_local_base_freq", 10_000.0)),
+                **_gemma(cfg, (None, None)))
 
 
 def _gpt_oss(cfg: Fields) -> dict:
@@ -188,7 +222,8 @@ def _gpt_oss(cfg: Fields) -> dict:
 
 
 _FAMILY_OPTIONS = {"Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3, "LlamaForCausalLM": _llama3,
-                   "MistralForCausalLM": _mistral, "Gemma2ForCausalLM": _gemma2, "GptOssForCausalLM": _gpt_oss}
+                   "MistralForCausalLM": _mistral, "Gemma2ForCausalLM": _gemma2, "Gemma3ForCausalLM": _gemma3,
+                   "GptOssForCausalLM": _gpt_oss}
 
 
 def _deepseek_moe(cfg: Fields) -> MoEConfig:
@@ -211,7 +246,7 @@ def _deepseek_moe(cfg: Fields) -> MoEConfig:
 def family_layer(t, p: str, c: ModelConfig, arch: str, base) -> LayerWeights:
     """One GQA layer of a family: Llama's tensors plus the family's biases, norms and sinks."""
     h, d, a = c.hidden_size, c.head_dim, f"{p}.self_attn"
-    gemma = arch == "Gemma2ForCausalLM"
+    gemma = arch in GEMMAS  # Gemma's RMSNorm multiplies by 1 + w (Gemma3RMSNorm): loaded so, in float32
     norm = (lambda name, n: np.float32(1.0) + t.get(name, (n,))) if gemma else (lambda name, n: t.get(name, (n,)))
     w = dict(attn_norm=norm(f"{p}.input_layernorm.weight", h), **base._gqa(t, p, c))
     if gemma:
