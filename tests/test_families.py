@@ -13,6 +13,7 @@ option) are each a ModelFormatError naming the problem.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -199,6 +200,34 @@ def test_gemma2_softcaps_absent_take_the_class_defaults(require, saved):
             assert (c.attn_softcap, c.final_softcap) == caps
     finally:
         (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family, how", [("gpt-oss", "sharded"), ("gemma3", "bf16"), ("qwen2-sw", "bf16")])
+def test_sharded_and_bf16_checkpoints(require, saved, tmp_path, family, how):
+    """A family saved in shards of at most 20 KB (an index and several files; gpt-oss's fused experts span
+    them), or in bfloat16 (read through the file's header), loads and gives transformers' logits; the bf16
+    reference is transformers' own reload of the bf16 file in float32, so both sides see the rounded weights."""
+    torch, transformers = require("torch"), require("transformers")
+    hf, _ = saved(family)
+    path = tmp_path / how
+    if how == "bf16":
+        copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+        hf.config._experts_implementation = "eager"
+        assert "BF16" in (path / "model.safetensors").read_bytes()[:4096].decode("latin-1")
+    else:
+        hf.save_pretrained(path, max_shard_size="20KB")
+        assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
+    ids = np.random.default_rng(7).integers(0, VOCAB, PROMPT).tolist()
+    want = _hf_logits(torch, hf, ids)
+    model = load_checkpoint(path)
+    assert_close(model.logits(ids), want, np.float32, what=f"{how} {family}")
+    cache = make_cache("paged", model, max_len=PROMPT, block_size=3)
+    cache.add_sequence(0)
+    assert_close(np.concatenate([model.forward([ids[:5]], cache, all_logits=True)] + [
+        model.forward([[t]], cache) for t in ids[5:]]), want, np.float32, what=f"{how} {family}, paged")
 
 
 # --- bad checkpoints ------------------------------------------------------------------------------
