@@ -111,6 +111,21 @@ def test_config_json_of_each_family(tmp_path):
         plan_from_path(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("use, first", [(True, 2), (True, 0), (False, 1), (None, 1)])
+def test_qwen_sliding_layers_as_transformers_derives_them(require, use, first):
+    """Qwen2/Qwen3 without layer_types: the planner and the loader slide layers max_window_layers .. L - 1 only
+    when use_sliding_window is true (its default is false), as transformers' Qwen2Config derives them."""
+    transformers = require("transformers")
+    base = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+                max_window_layers=first, **({} if use is None else dict(use_sliding_window=use)))
+    want = [3 if t == "sliding_attention" else None for t in transformers.Qwen2Config(**base).layer_types]
+    for kind in ("qwen2", "qwen3"):
+        assert [w for w, _ in plan_from_config({**base, "model_type": kind}).layers] == want, kind
+    assert use is not True or want.count(None) == first
+    with pytest.raises(ModelFormatError, match="max_window_layers"):
+        plan_from_config({**base, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": "x"})
+
+
 def test_gguf_metadata(require, tmp_path):
     """A metadata-only GGUF written with gguf's writer (SmolLM2-135M's attention numbers; reading the real
     file's 49k-token vocabulary would cost seconds for nothing)."""

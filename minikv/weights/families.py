@@ -138,15 +138,23 @@ def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
     return ModelConfig(**base._common(cfg, **{**geometry, **extra}))
 
 
+def qwen_layer_types(num_layers: int, window: int | None, use_sliding_window: bool,
+                     max_window_layers: int = 28) -> tuple:
+    """Qwen2/Qwen3's layer types when config.json names none: with ``use_sliding_window`` and a window, layers
+    ``max_window_layers`` .. L - 1 slide and the first ones stay full; else every layer is full (transformers
+    5.24, ``Qwen2Config.__post_init__``; Qwen3's is the same; Qwen2-MoE's differs and is not read here)."""
+    slide = use_sliding_window and window is not None
+    return tuple("sliding_attention" if slide and i >= max_window_layers else "full_attention"
+                 for i in range(num_layers))
+
+
 def _qwen_window(cfg: Fields) -> dict:
-    """Qwen2/Qwen3's sliding layers: with ``use_sliding_window``, layers ``max_window_layers`` .. L - 1 slide
-    over ``sliding_window`` keys and the first ones stay full; without it the window is None (transformers
-    5.24, ``Qwen2Config.__post_init__``; Qwen3's is the same). A ``layer_types`` in config.json wins; a
-    sliding layer with no window is refused (``check_layer_types``), as transformers' mask refuses it."""
+    """Qwen2/Qwen3's sliding layers (``qwen_layer_types``); without ``use_sliding_window`` the window is None. A
+    ``layer_types`` in config.json wins; a sliding layer with no window is refused (``check_layer_types``), as
+    transformers' mask refuses it."""
     w = cfg.integer("sliding_window", None) if cfg.flag("use_sliding_window", False) else None
-    n, first = cfg.integer("num_hidden_layers"), cfg.integer("max_window_layers", 28, minimum=0)
-    types = _layer_types(cfg, None, False) or tuple(
-        "sliding_attention" if w is not None and i >= first else "full_attention" for i in range(n))
+    types = _layer_types(cfg, None, False) or qwen_layer_types(
+        cfg.integer("num_hidden_layers"), w, w is not None, cfg.integer("max_window_layers", 28, minimum=0))
     return dict(layer_types=types, sliding_window=w) if "sliding_attention" in types else {}
 
 
