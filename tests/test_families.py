@@ -161,6 +161,24 @@ def test_each_option_shows_in_the_logits(require, saved):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("family", ["gpt-oss", "gemma2"])
+def test_cli_generates_with_the_paged_hybrid_cache(require, saved, capsys, family):
+    """``minikv generate --cache paged`` on a model with sinks or soft-capping and sliding layers (it used to be
+    refused: the paged sliding group took neither option) gives transformers' greedy tokens."""
+    from minikv.cli import main
+
+    torch = require("torch")
+    hf, path = saved(family)
+    ids = np.random.default_rng(8).integers(0, VOCAB, PROMPT).tolist()
+    greedy = list(ids)
+    for _ in range(NEW):
+        greedy.append(int(np.argmax(_hf_logits(torch, hf, greedy)[-1])))
+    assert main(["generate", "--model", str(path), "--prompt-ids", ",".join(map(str, ids)), "--greedy",
+                 "--max-new-tokens", str(NEW), "--cache", "paged", "--block-size", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == greedy[PROMPT:]
+
+
+@pytest.mark.reference
 def test_qwen2_sliding_layers_from_max_window_layers(require, saved):
     """Older Qwen2 config.json files name no ``layer_types``: the sliding layers are those from
     ``max_window_layers`` on (transformers' ``Qwen2Config.__post_init__``), and they show in the logits."""
