@@ -12,6 +12,10 @@ Published numbers it must reproduce:
 * Hugging Face's Llama 3.1 blog (https://huggingface.co/blog/llama31#inference-memory-requirements), its
   table of FP16 KV cache sizes at 1k, 16k and 128k tokens (quoted in https://github.com/huggingface/blog/issues/2345):
   8B and 70B reproduced; 405B's row is exactly twice what its config.json gives (the issue's finding).
+* NVIDIA's "Mastering LLM Techniques: Inference Optimization"
+  (https://developer.nvidia.com/blog/mastering-llm-techniques-inference-optimization/): "with a Llama 2 7B model
+  in 16-bit precision and a batch size of 1, the size of the KV cache will be 1 * 4096 * 2 * 32 * 4096 * 2
+  bytes, which is ~2 GB".
 * Mistral 7B's paper (arXiv:2310.06825, section 2, Rolling Buffer Cache): "On a sequence length of 32k
   tokens, this reduces the cache memory usage by 8x".
 
@@ -75,6 +79,12 @@ def test_llama31_blog_kv_sizes():
     for tokens, printed in LLAMA31_BLOG["405B"].items():
         assert _as_printed(2 * tokens * per_token["405B"], printed) and not _as_printed(tokens * per_token["405B"],
                                                                                            printed)
+
+
+def test_nvidia_blog_llama2_7b_two_gb_at_4096_tokens():
+    """https://developer.nvidia.com/blog/mastering-llm-techniques-inference-optimization/ : Llama 2 7B, 16-bit,
+    batch 1: "1 * 4096 * 2 * 32 * 4096 * 2 bytes, which is ~2 GB" (exactly 2 GiB)."""
+    assert 4096 * kv_bytes_per_token(PRESETS["llama2-7b"], "fp16") == 1 * 4096 * 2 * 32 * 4096 * 2 == 2 * 2**30
 
 
 def test_mistral_paper_rolling_buffer_saves_8x_at_32k():
