@@ -127,7 +127,7 @@ def test_family_matches_transformers(require, saved, family):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "gemma2-w10", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "gemma2-w10", "gemma3", "qwen2-sw"])
 def test_float64_cached_equals_uncached(require, saved, family):
     _, path = saved(family)
     model = load_checkpoint(path, dtype=np.float64)
