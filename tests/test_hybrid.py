@@ -246,7 +246,7 @@ def test_saved_gemma3_matches_transformers(tmp_path, require, window):
 
 @pytest.mark.reference
 @pytest.mark.parametrize("overrides, match", [
-    (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(hidden_activation="relu"), "hidden_activation"),
 ])
 def test_unsupported_gemma3_options_are_refused(tmp_path, require, overrides, match):

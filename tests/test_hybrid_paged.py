@@ -8,13 +8,16 @@ after truncates of up to K tokens once the rings wrapped, and under the schedule
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from minikv.bench.equivalence import assert_close
+from minikv.bench.equivalence import assert_close, rel_err
 from minikv.errors import ConfigError, InvalidInputError, RollbackError
 from minikv.generate import generate, make_cache
 from minikv.hybrid import HybridPagedKVCache, group_layers, hybrid_cache
+from minikv.model import Model
 from minikv.scheduler import Request, Scheduler
 from minikv.weights.random_models import random_gemma_model
 
@@ -55,6 +58,31 @@ def test_groups_are_vllms_uniform_groups():
     assert sorted(layer for _, g in groups for layer in g) == list(range(18)) and {len(g) for _, g in groups} == {3}
     # 5 sliding, 2 full: groups of 2, the last sliding group one layer short (vLLM pads it)
     assert group_layers([4, 4, None, 4, 4, None, 4]) == [(None, (2, 5)), (4, (0, 4)), (4, (1, 6)), (4, (3,))]
+
+
+def with_options(model, softcap: float | None, sinks: bool):
+    """``model`` with Gemma 2's per-tile soft-cap and/or gpt-oss's learned sinks (one logit per query head, O(1))."""
+    c, w = model.config, model.weights
+    layers = [replace(lw, sinks=np.random.default_rng(i).normal(0, 1, c.num_heads) if sinks else None)
+              for i, lw in enumerate(w.layers)]
+    return Model(replace(c, attn_softcap=softcap, sinks=sinks), replace(w, layers=layers), dtype=model.dtype)
+
+
+@pytest.mark.parametrize("softcap, sinks", [(2.0, False), (None, True), (1.5, True)])
+@pytest.mark.parametrize("window, block_size", [(T - 1, 5), (T + 1, 3), (4, 3)])
+def test_paged_hybrid_applies_sinks_and_softcap(window, block_size, softcap, sinks):
+    """gpt-oss's sinks and Gemma 2's soft-cap reach the sliding and the full groups of the paged hybrid (block
+    sizes that do not divide the window): it equals the masked reference and the contiguous hybrid cache."""
+    model = with_options(gemma(window, seed=window), softcap, sinks)
+    a = ids(T, seed=4)
+    want = model.logits(a)
+    assert rel_err(want, with_options(model, None, False).logits(a)) > 1e-3  # the options show in the logits
+    cache = paged(model, block_size)
+    cache.add_sequence(0)
+    assert_close(feed(model, cache, 0, a, [5, 6, 11]), want, np.float64, what="paged hybrid")
+    contiguous = make_cache("contiguous", model, T)
+    contiguous.add_sequence(0)
+    assert_close(feed(model, contiguous, 0, a, [5, 6, 11]), want, np.float64, what="contiguous hybrid")
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])

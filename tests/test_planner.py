@@ -9,6 +9,19 @@ Published numbers it must reproduce:
   per token and layer, 4.5 d_h with d_c = 4 d_h and d_h^R = d_h / 2; DeepSeek-V3 keeps d_c = 512,
   d_h^R = 64 (d_h = 128): 576 per layer.
 * SmolLM2-135M's GGUF metadata: 30 layers x 2 x 3 KV heads x 64 = 11,520 values per token.
+* Hugging Face's Llama 3.1 blog (https://huggingface.co/blog/llama31#inference-memory-requirements), its
+  table of FP16 KV cache sizes at 1k, 16k and 128k tokens (quoted in https://github.com/huggingface/blog/issues/2345):
+  8B and 70B reproduced; 405B's row is exactly twice what its config.json gives (the issue's finding).
+* NVIDIA's "Mastering LLM Techniques: Inference Optimization"
+  (https://developer.nvidia.com/blog/mastering-llm-techniques-inference-optimization/): "with a Llama 2 7B model
+  in 16-bit precision and a batch size of 1, the size of the KV cache will be 1 * 4096 * 2 * 32 * 4096 * 2
+  bytes, which is ~2 GB".
+* Mistral 7B's paper (arXiv:2310.06825, section 2, Rolling Buffer Cache): "On a sequence length of 32k
+  tokens, this reduces the cache memory usage by 8x".
+
+No other preset's model card or paper states a KV size per token that we could find and verify: Qwen2.5-7B,
+Qwen3-8B, Gemma-2-9B, Gemma-3-27B (its report's KV-overhead figure is for a 2B ablation model), gpt-oss-20b
+and -120b (their model card gives none), Ministral-8B; their tests check the sizes against the config formula.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import json
 
 import pytest
 
+from minikv.costs import PRESETS, kv_bytes_per_token
 from minikv.costs.planner import PLANS, plan_from_config, plan_from_path
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
 
@@ -38,6 +52,46 @@ def test_bytes_per_token_of_the_presets():
     assert [w for w, _ in PLANS["gemma-3-27b"].layers].count(None) == 62 // 6  # every 6th layer full
     assert {w for w, _ in PLANS["gpt-oss-120b"].layers} == {128, None}
     assert all(p.source for p in PLANS.values())
+
+
+# https://huggingface.co/blog/llama31#inference-memory-requirements (FP16 KV cache, "GB" = 2^30 bytes; "1k" is 1024
+# tokens, "16k" and "128k" are 16,000 and 128,000), as quoted in https://github.com/huggingface/blog/issues/2345
+LLAMA31_BLOG = {"8B": {1024: "0.125", 16000: "1.95", 128000: "15.62"},
+                "70B": {1024: "0.313", 16000: "4.88", 128000: "39.06"},
+                "405B": {1024: "0.984", 16000: "15.38", 128000: "123.05"}}
+
+
+def _as_printed(got_bytes: int, printed: str) -> bool:
+    """``printed`` is ``got_bytes`` in GiB to its printed digits (within half a unit of the last one)."""
+    digits = len(printed.split(".")[1])
+    return abs(got_bytes / 2**30 - float(printed)) <= 0.5 * 10 ** -digits + 1e-12
+
+
+def test_llama31_blog_kv_sizes():
+    per_token = {"8B": sum(v for _, v in PLANS["llama-3.1-8b"].layers) * 2,  # the planner's preset, bf16
+                 "70B": kv_bytes_per_token(PRESETS["llama3-70b"], "fp16"),
+                 "405B": kv_bytes_per_token(PRESETS["llama3-405b"], "fp16")}
+    assert per_token["8B"] == kv_bytes_per_token(PRESETS["llama3-8b"], "fp16") == 131072
+    for model in ("8B", "70B"):
+        for tokens, printed in LLAMA31_BLOG[model].items():
+            assert _as_printed(tokens * per_token[model], printed), (model, tokens)
+    # 405B: config.json's 8 KV heads give half the blog's row; 16 KV heads would give it (issue #2345)
+    for tokens, printed in LLAMA31_BLOG["405B"].items():
+        assert _as_printed(2 * tokens * per_token["405B"], printed) and not _as_printed(tokens * per_token["405B"],
+                                                                                           printed)
+
+
+def test_nvidia_blog_llama2_7b_two_gb_at_4096_tokens():
+    """https://developer.nvidia.com/blog/mastering-llm-techniques-inference-optimization/ : Llama 2 7B, 16-bit,
+    batch 1: "1 * 4096 * 2 * 32 * 4096 * 2 bytes, which is ~2 GB" (exactly 2 GiB)."""
+    assert 4096 * kv_bytes_per_token(PRESETS["llama2-7b"], "fp16") == 1 * 4096 * 2 * 32 * 4096 * 2 == 2 * 2**30
+
+
+def test_mistral_paper_rolling_buffer_saves_8x_at_32k():
+    """arXiv:2310.06825 section 2: "On a sequence length of 32k tokens, this reduces the cache memory usage by 8x"."""
+    plan = PLANS["mistral-7b-v0.1"]
+    full, rolling = (plan.bytes_per_sequence(32768, 2, all_full=a) for a in (True, False))
+    assert full == 8 * rolling
 
 
 def test_block_rounding_and_the_two_capacity_answers():
@@ -65,6 +119,21 @@ def test_config_json_of_each_family(tmp_path):
         plan_from_config({"num_attention_heads": 2})
     with pytest.raises(ModelFileNotFoundError, match="preset"):
         plan_from_path(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("use, first", [(True, 2), (True, 0), (False, 1), (None, 1)])
+def test_qwen_sliding_layers_as_transformers_derives_them(require, use, first):
+    """Qwen2/Qwen3 without layer_types: the planner and the loader slide layers max_window_layers .. L - 1 only
+    when use_sliding_window is true (its default is false), as transformers' Qwen2Config derives them."""
+    transformers = require("transformers")
+    base = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+                max_window_layers=first, **({} if use is None else dict(use_sliding_window=use)))
+    want = [3 if t == "sliding_attention" else None for t in transformers.Qwen2Config(**base).layer_types]
+    for kind in ("qwen2", "qwen3"):
+        assert [w for w, _ in plan_from_config({**base, "model_type": kind}).layers] == want, kind
+    assert use is not True or want.count(None) == first
+    with pytest.raises(ModelFormatError, match="max_window_layers"):
+        plan_from_config({**base, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": "x"})
 
 
 def test_gguf_metadata(require, tmp_path):

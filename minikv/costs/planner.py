@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
+from minikv.weights.families import qwen_layer_types
+from minikv.weights.gemma import gemma3_layer_types
 
 KV_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -81,18 +83,22 @@ class KVPlan:
 
 
 def _windows(cfg: dict, n: int) -> list:
-    """Each layer's window (None: full) from config.json, as each family defines it."""
+    """Each layer's window (None: full) from config.json, as each family defines it (the loaders' rules:
+    ``minikv.weights.families.qwen_layer_types``, ``minikv.weights.gemma.gemma3_layer_types``)."""
     w = cfg.get("sliding_window")
     kind = cfg.get("model_type", "")
-    if cfg.get("layer_types"):
-        return [w if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    types = cfg.get("layer_types")
+    if not types and kind in ("qwen2", "qwen3"):  # use_sliding_window defaults to False; then max_window_layers
+        types = qwen_layer_types(n, w, cfg.get("use_sliding_window") is True, int(cfg.get("max_window_layers", 28)))
+    if types:
+        return [w if t == "sliding_attention" else None for t in types]
     if w is None or cfg.get("use_sliding_window") is False:
         return [None] * n
     if kind in ("gemma2", "gpt_oss"):  # even layers slide
         return [w if i % 2 == 0 else None for i in range(n)]
     if kind in ("gemma3", "gemma3_text"):  # every pattern-th layer is full
-        p = int(cfg.get("sliding_window_pattern", 6))
-        return [None if (i + 1) % p == 0 else w for i in range(n)]
+        return [w if t == "sliding_attention" else None
+                for t in gemma3_layer_types(n, int(cfg.get("sliding_window_pattern", 6)))]
     return [w] * n  # Mistral: every layer
 
 
@@ -110,7 +116,11 @@ def plan_from_config(cfg: dict, name: str = "config.json", source: str = "") -> 
             values = 2 * int(cfg.get("num_key_value_heads") or heads) * d
     except KeyError as e:
         raise ModelFormatError(f"{name} lacks {e.args[0]!r}, which the KV planner needs") from None
-    windows = _windows(cfg, n)
+    try:
+        windows = _windows(cfg, n)
+    except (TypeError, ValueError) as e:  # e.g. a max_window_layers or sliding_window_pattern that is no integer
+        raise ModelFormatError(f"{name}: its layer pattern cannot be read ({e}); fix layer_types, "
+                               "max_window_layers or sliding_window_pattern") from None
     if len(windows) != n:
         raise ModelFormatError(f"{name}: layer_types names {len(windows)} layers, num_hidden_layers is {n}")
     return KVPlan(name, tuple((w, values) for w in windows), int(cfg.get("max_position_embeddings") or 4096),

@@ -210,8 +210,10 @@ class SlidingPagedKVCache(GroupPagedKVCache):
         super().__init__(num_kv_heads, head_dim, storage, manager, blocks_per_tile)
         self.policy = manager.policy
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """Each query over the keys of its window, read from the sequence's blocks: q [N, Hq, D] -> [N, Hq, D]."""
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
+        """Each query over the keys of its window, read from the sequence's blocks: q [N, Hq, D] -> [N, Hq, D]
+        (sinks [Hq], softcap: ``minikv.online_softmax``'s options, applied per tile as every cache does)."""
         step = self._check_query(layer, q)
         bs, hkv, d, w = self.block_size, self.num_kv_heads, self.head_dim, self.policy.window
         per = self.blocks_per_tile or default_blocks_per_tile(bs)
@@ -228,7 +230,8 @@ class SlidingPagedKVCache(GroupPagedKVCache):
                 v = self.v_pool[layer, blocks].reshape(-1, hkv, d).transpose(1, 0, 2)
                 tiles.append((k, v, np.broadcast_to(np.where(pos < n, pos, -1), (hkv, pos.size))))
             q_pos = step.positions[r]
-            out[r] = attend_slots(q[r], tiles, lambda kp, q_pos=q_pos: self.policy.visible(q_pos, kp))
+            out[r] = attend_slots(q[r], tiles, lambda kp, q_pos=q_pos: self.policy.visible(q_pos, kp),
+                                  sinks=sinks, softcap=softcap)
         return out
 
     def refusal(self, seq_id, new_len: int):

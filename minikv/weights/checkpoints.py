@@ -2,7 +2,7 @@
 
     model = load_checkpoint("path/to/dir")            # float32; dtype=np.float64 for exactness proofs
 
-Three architectures (``config.json``'s ``architectures[0]``):
+Two architectures here (``config.json``'s ``architectures[0]``):
 
 * ``LlamaForCausalLM``: GQA. transformers rotates with ``rotate_half``, so the weights are
   used as they are with ``rope_layout="half"`` (no Q/K permutation, unlike GGUF files).
@@ -11,12 +11,9 @@ Three architectures (``config.json``'s ``architectures[0]``):
   set, ``rope_interleave``, YaRN in ``rope_parameters`` (or the older ``rope_scaling``) and
   ``attention_bias`` are honoured. A layer that uses mixture-of-experts is refused: the KV cache
   does not depend on the MLP, and loading MoE layers is out of scope here.
-* ``Gemma3ForCausalLM`` (text only, ``model_type`` gemma3_text): ``layer_types`` and ``sliding_window``,
-  RoPE per layer type (``rope_parameters``, or the older ``rope_theta``/``rope_local_base_freq``),
-  QK-norm, the sandwich norms, GeGLU, ``query_pre_attn_scalar``, the embedding scaled by sqrt(hidden)
-  (``models/gemma3/modeling_gemma3.py``). Gemma's RMSNorm multiplies by ``1 + w``
-  (``Gemma3RMSNorm``), so every norm weight is loaded as ``1 + w`` in float32, as transformers
-  computes it. Soft-capping, bidirectional attention and scaled RoPE are refused.
+
+The other families (Qwen2, Qwen3, Llama 3.1+ with ``llama3`` scaling, Mistral, Gemma 2, Gemma 3 text,
+gpt-oss, DeepSeek-V3 with MoE layers) are data over the same helpers: ``minikv.weights.families``.
 
 Tensors may sit in one ``model.safetensors`` or in shards listed by
 ``model.safetensors.index.json``. They are read with ``safetensors.safe_open(...,
@@ -41,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from minikv.errors import ConfigError, ModelFileNotFoundError, ModelFormatError
-from minikv.layers import ACTIVATIONS, YarnConfig
+from minikv.layers import YarnConfig
 from minikv.mla.block import MLALayerWeights
 from minikv.mla.latent import MLAConfig
 from minikv.model import LayerWeights, Model, ModelConfig, ModelWeights
@@ -53,9 +50,8 @@ from minikv.weights.checks import (
     check_rope_memory,
     check_weights_memory,
 )
-from minikv.weights.gemma import gemma3_layer_types
 
-SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class _Tensors:
@@ -222,32 +218,6 @@ def _deepseek_config(cfg: Fields) -> ModelConfig:
     return ModelConfig(**_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, rope_theta=theta, mla=mla))
 
 
-def _gemma3_config(cfg: Fields) -> ModelConfig:
-    """Gemma-3 text: transformers 5.24's ``Gemma3TextConfig`` fields, its defaults where a field is absent."""
-    for flag in ("attention_bias", "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
-        if cfg.get(flag):
-            raise ModelFormatError(f"{flag}={cfg[flag]!r}: minikv's Gemma-3 has none (use a checkpoint without it)")
-    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
-    if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
-    rp = cfg.obj("rope_parameters")
-    full, sliding = rp.obj("full_attention"), rp.obj("sliding_attention")
-    if full.get("rope_type", "default") != "default" or sliding.get("rope_type", "default") != "default":
-        raise ModelFormatError(f"rope_parameters={dict(rp)}: minikv reads Gemma-3 with rope_type 'default' only")
-    hidden, heads = cfg.integer("hidden_size"), cfg.integer("num_attention_heads")
-    types = cfg.get("layer_types") or gemma3_layer_types(cfg.integer("num_hidden_layers"),
-                                                         cfg.integer("sliding_window_pattern", 6))
-    cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)  # _common checks a Llama's; Gemma's is read above
-    return ModelConfig(**_common(
-        cfg, num_kv_heads=cfg.integer("num_key_value_heads", None) or heads,
-        head_dim=cfg.integer("head_dim", None) or 256,
-        rope_theta=full.number("rope_theta", cfg.number("rope_theta", 1_000_000.0)), rope_layout="half",
-        layer_types=types, sliding_window=cfg.integer("sliding_window", None),
-        sliding_rope_theta=sliding.number("rope_theta", cfg.number("rope_local_base_freq", 10_000.0)),
-        hidden_act=act, qk_norm=True, sandwich_norms=True, embed_scale=hidden ** 0.5,
-        query_pre_attn_scalar=cfg.number("query_pre_attn_scalar", 256)))
-
-
 # --- tensors -> weights --------------------------------------------------------------------------------
 
 def _mlp(t: _Tensors, p: str, c: ModelConfig, norm: np.ndarray | None = None) -> dict:
@@ -259,7 +229,7 @@ def _mlp(t: _Tensors, p: str, c: ModelConfig, norm: np.ndarray | None = None) ->
 
 
 def _gqa(t: _Tensors, p: str, c: ModelConfig) -> dict:
-    """The GQA projections, named alike by Llama and Gemma-3."""
+    """The GQA projections, named alike by Llama and the families of ``minikv.weights.families``."""
     h, q, kv, a = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"{p}.self_attn"
     return dict(wq=t.linear(f"{a}.q_proj.weight", h, q), wk=t.linear(f"{a}.k_proj.weight", h, kv),
                 wv=t.linear(f"{a}.v_proj.weight", h, kv), wo=t.linear(f"{a}.o_proj.weight", q, h))
@@ -293,20 +263,9 @@ def _deepseek_layer(t: _Tensors, p: str, c: ModelConfig, bias: bool, dense: bool
                                w_gate=None, w_up=None, w_down=None)))
 
 
-def _gemma3_layer(t: _Tensors, p: str, c: ModelConfig) -> LayerWeights:
-    """Llama's matrices; four norms per layer (the MLP's is ``pre_feedforward_layernorm``) and QK-norm."""
-    h, d, a = c.hidden_size, c.head_dim, f"{p}.self_attn"
-    norm = lambda name, n: np.float32(1.0) + t.get(name, (n,))  # noqa: E731  Gemma3RMSNorm: x * (1 + w)
-    mlp = _mlp(t, p, c, norm=norm(f"{p}.pre_feedforward_layernorm.weight", h))
-    return LayerWeights(attn_norm=norm(f"{p}.input_layernorm.weight", h), **_gqa(t, p, c), **mlp,
-                        q_norm=norm(f"{a}.q_norm.weight", d), k_norm=norm(f"{a}.k_norm.weight", d),
-                        post_attn_norm=norm(f"{p}.post_attention_layernorm.weight", h),
-                        post_mlp_norm=norm(f"{p}.post_feedforward_layernorm.weight", h))
-
-
 def load_checkpoint(path, dtype=np.float32) -> Model:
-    """Load a Hugging Face checkpoint directory (``LlamaForCausalLM``, dense ``DeepseekV3ForCausalLM``, or
-    ``Gemma3ForCausalLM``).
+    """Load a Hugging Face checkpoint directory: ``LlamaForCausalLM``, ``DeepseekV3ForCausalLM`` or a family of
+    ``minikv.weights.families`` (``FAMILIES``).
 
     path:  a directory with ``config.json`` and ``*.safetensors`` (one file or an indexed set of shards)
     dtype: the model's compute dtype, float32 (default) or float64
@@ -327,8 +286,7 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
         raise ModelFormatError(f"architecture {arch!r} in {path / 'config.json'} is not supported; "
                                f"minikv loads {', '.join(SUPPORTED + families.FAMILIES)}")
     reader = (lambda c: families.family_config(arch, c, sys.modules[__name__])) if family else {  # noqa: E731
-        "LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config,
-        "Gemma3ForCausalLM": _gemma3_config}[arch]
+        "LlamaForCausalLM": _llama_config, "DeepseekV3ForCausalLM": _deepseek_config}[arch]
     check_weights_memory("num_hidden_layers", cfg.integer("num_hidden_layers"), cfg.integer("hidden_size"),
                          cfg.integer("intermediate_size"), cfg.integer("vocab_size"), cfg.where)
     try:
@@ -345,12 +303,11 @@ def load_checkpoint(path, dtype=np.float32) -> Model:
         bias = cfg.flag("attention_bias", False)
         layers = [_deepseek_layer(t, f"model.layers.{i}", config, bias) for i in range(config.num_layers)]
     else:
-        layer = _llama_layer if arch == "LlamaForCausalLM" else _gemma3_layer
-        layers = [layer(t, f"model.layers.{i}", config) for i in range(config.num_layers)]
+        layers = [_llama_layer(t, f"model.layers.{i}", config) for i in range(config.num_layers)]
     v, h = config.vocab_size, config.hidden_size
     lm_head = None if config.tie_embeddings else t.get("lm_head.weight", (v, h))  # tied: the embedding is the head
     final_norm = t.get("model.norm.weight", (h,))
-    if arch in ("Gemma3ForCausalLM", "Gemma2ForCausalLM"):
+    if arch in families.GEMMAS:
         final_norm = np.float32(1.0) + final_norm  # Gemma3RMSNorm: x * (1 + w)
     weights = ModelWeights(embed=t.get("model.embed_tokens.weight", (v, h)), layers=layers, final_norm=final_norm,
                            lm_head=lm_head, moe=moe)

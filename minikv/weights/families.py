@@ -5,15 +5,18 @@ and where transformers 5.24 defines it (``models/<family>/modeling_<family>.py``
 
 =====================  ==========================================================================
 Qwen2ForCausalLM       ``qkv_bias``: q/k/v projections carry biases, added before RoPE (the cached key
-                       carries its bias); every layer full attention unless ``use_sliding_window``
+                       carries its bias); every layer full attention unless ``use_sliding_window``:
+                       then layers ``max_window_layers`` and up slide (``_qwen_window``)
 Qwen3ForCausalLM       ``qk_norm`` (a plain RMSNorm over each head, before RoPE) and an explicit
-                       ``head_dim`` that need not be hidden / heads
+                       ``head_dim`` that need not be hidden / heads; sliding layers as Qwen2's
 LlamaForCausalLM       with ``rope_type: llama3`` (Llama 3.1+): ``Llama3Scaling`` (below); a plain Llama
                        stays with ``minikv.weights.checkpoints``
 MistralForCausalLM     ``sliding_window`` on every layer (v0.1: 4096); null means full attention
 Gemma2ForCausalLM      alternating sliding / full layers (``layer_types``), ``attn_softcap`` (per tile,
                        inside the online softmax) and ``final_softcap``, Gemma's four norms of 1 + w,
                        GeGLU, ``query_pre_attn_scalar``, the embedding scaled by sqrt(hidden)
+Gemma3ForCausalLM      (text) Gemma 2 with QK-norm, every 6th layer full (``sliding_window_pattern``), a RoPE
+                       base per layer type (10k sliding, 1M full); no attention soft-cap (transformers ignores it)
 GptOssForCausalLM      learned ``sinks`` per head, biases on q/k/v/o, alternating 128-token sliding and
                        full layers, YaRN for every layer, and a mixture-of-experts MLP (``minikv.moe``:
                        top-k then softmax, interleaved gate/up, clamped SwiGLU)
@@ -22,7 +25,7 @@ DeepseekV3ForCausalLM  with MoE layers (``first_k_dense_replace`` < layers): MLA
                        routing with a shared expert in the MoE layers
 =====================  ==========================================================================
 
-An option of a family that minikv does not implement (a Qwen2 with ``use_sliding_window``, a rope
+An option of a family that minikv does not implement (a Qwen3 with ``attention_bias``, a rope
 type other than the family's, an MoE layer of the wrong expert count) is a ``ModelFormatError``
 naming it. This module is reached through ``minikv.weights.checkpoints.load_checkpoint``, which hands
 itself in as ``base`` (its tensor reader and the config/weight helpers shared with Llama and DeepSeek),
@@ -41,9 +44,11 @@ from minikv.layers import ACTIVATIONS
 from minikv.model import LayerWeights, ModelConfig
 from minikv.moe import MoEConfig, MoEWeights
 from minikv.weights.checks import Fields
+from minikv.weights.gemma import gemma3_layer_types
 
 FAMILIES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM",
-            "GptOssForCausalLM")
+            "Gemma3ForCausalLM", "GptOssForCausalLM")
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # whose RMSNorms multiply by 1 + w
 
 
 @dataclass(frozen=True)
@@ -126,21 +131,40 @@ def family_config(arch: str, cfg: Fields, base) -> ModelConfig:
                                 rp.integer("original_max_position_embeddings"))
     geometry = dict(num_kv_heads=cfg.integer("num_key_value_heads", heads), head_dim=head_dim, rope_theta=theta,
                 rope_layout="half", rope_scaling=scaling)
-    extra = _FAMILY_OPTIONS[arch](cfg)
-    if arch == "Gemma2ForCausalLM":
+    extra = _FAMILY_OPTIONS[arch](cfg)  # (Gemma-3 names its own head_dim default and RoPE bases)
+    if arch in GEMMAS:
         # _common checks a Llama's hidden_act; Gemma's is read above
         cfg = Fields({**cfg, "hidden_act": "silu"}, cfg.where)
-    return ModelConfig(**base._common(cfg, **geometry, **extra))
+    return ModelConfig(**base._common(cfg, **{**geometry, **extra}))
+
+
+def qwen_layer_types(num_layers: int, window: int | None, use_sliding_window: bool,
+                     max_window_layers: int = 28) -> tuple:
+    """Qwen2/Qwen3's layer types when config.json names none: with ``use_sliding_window`` and a window, layers
+    ``max_window_layers`` .. L - 1 slide and the first ones stay full; else every layer is full (transformers
+    5.24, ``Qwen2Config.__post_init__``; Qwen3's is the same; Qwen2-MoE's differs and is not read here)."""
+    slide = use_sliding_window and window is not None
+    return tuple("sliding_attention" if slide and i >= max_window_layers else "full_attention"
+                 for i in range(num_layers))
+
+
+def _qwen_window(cfg: Fields) -> dict:
+    """Qwen2/Qwen3's sliding layers (``qwen_layer_types``); without ``use_sliding_window`` the window is None. A
+    ``layer_types`` in config.json wins; a sliding layer with no window is refused (``check_layer_types``), as
+    transformers' mask refuses it."""
+    w = cfg.integer("sliding_window", None) if cfg.flag("use_sliding_window", False) else None
+    types = _layer_types(cfg, None, False) or qwen_layer_types(
+        cfg.integer("num_hidden_layers"), w, w is not None, cfg.integer("max_window_layers", 28, minimum=0))
+    return dict(layer_types=types, sliding_window=w) if "sliding_attention" in types else {}
 
 
 def _qwen2(cfg: Fields) -> dict:
-    _refuse(cfg, "use_sliding_window")
-    return dict(qkv_bias=True)
+    return dict(qkv_bias=True, **_qwen_window(cfg))
 
 
 def _qwen3(cfg: Fields) -> dict:
-    _refuse(cfg, "use_sliding_window", "attention_bias")
-    return dict(qk_norm=True)
+    _refuse(cfg, "attention_bias")
+    return dict(qk_norm=True, **_qwen_window(cfg))
 
 
 def _llama3(cfg: Fields) -> dict:
@@ -153,16 +177,46 @@ def _mistral(cfg: Fields) -> dict:
     return {} if w is None else dict(layer_types=_layer_types(cfg, "sliding_attention", False), sliding_window=w)
 
 
-def _gemma2(cfg: Fields) -> dict:
-    _refuse(cfg, "attention_bias")
+def _gemma(cfg: Fields, softcaps: tuple) -> dict:
+    """What Gemma 2 and Gemma 3 share: the four norms of 1 + w, GeGLU, the embedding scaled by sqrt(hidden), the
+    attention scale 1/sqrt(query_pre_attn_scalar), and the two soft-caps (``softcaps``: the config class's
+    defaults for (attention, final) where config.json leaves them out)."""
+    _refuse(cfg, "attention_bias", "use_bidirectional_attention")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ModelFormatError(f"hidden_activation={act!r}; minikv's gated MLPs use {sorted(ACTIVATIONS)}")
-    return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 4096),
-                hidden_act=act, sandwich_norms=True, embed_scale=cfg.integer("hidden_size") ** 0.5,
+    return dict(hidden_act=act, sandwich_norms=True, embed_scale=cfg.integer("hidden_size") ** 0.5,
                 query_pre_attn_scalar=cfg.number("query_pre_attn_scalar", 256.0),
-                attn_softcap=cfg.number("attn_logit_softcapping", None),
-                final_softcap=cfg.number("final_logit_softcapping", None))
+                # a JSON null turns a cap off; an absent key takes the class default
+                **{ours: cfg.number(key, None) if key in cfg else default for ours, key, default in (
+                    ("attn_softcap", "attn_logit_softcapping", softcaps[0]),
+                    ("final_softcap", "final_logit_softcapping", softcaps[1]))})
+
+
+def _gemma2(cfg: Fields) -> dict:
+    return dict(layer_types=_layer_types(cfg, None, True), sliding_window=cfg.get("sliding_window", 4096),
+                **_gemma(cfg, (50.0, 30.0)))  # Gemma2Config's defaults
+
+
+def _gemma3(cfg: Fields) -> dict:
+    """Gemma 3 text: Gemma 2 with QK-norm (of 1 + w), every ``sliding_window_pattern``-th layer full (default 6),
+    and a RoPE base per layer type (``rope_parameters``, or the older ``rope_theta``/``rope_local_base_freq``;
+    transformers 5.24's ``Gemma3TextConfig`` and its defaults). The final soft-cap applies as Gemma 2's; the
+    attention one is refused: ``Gemma3Attention`` does not pass it to its attention function."""
+    if cfg.get("attn_logit_softcapping") is not None:  # Gemma3Attention keeps it but never passes it on
+        raise ModelFormatError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']!r}: transformers 5.24's "
+                               "Gemma-3 reads it but does not apply it, so minikv refuses to guess (set it to null)")
+    rp = cfg.obj("rope_parameters")
+    full, sliding = rp.obj("full_attention"), rp.obj("sliding_attention")
+    if full.get("rope_type", "default") != "default" or sliding.get("rope_type", "default") != "default":
+        raise ModelFormatError(f"rope_parameters={dict(rp)}: minikv reads Gemma-3 with rope_type 'default' only")
+    types = _layer_types(cfg, None, False) or gemma3_layer_types(cfg.integer("num_hidden_layers"),
+                                                                 cfg.integer("sliding_window_pattern", 6))
+    return dict(layer_types=types, sliding_window=cfg.integer("sliding_window", None), qk_norm=True,
+                head_dim=cfg.integer("head_dim", None) or 256,
+                rope_theta=full.number("rope_theta", cfg.number("rope_theta", 1_000_000.0)),
+                sliding_rope_theta=sliding.number("rope_theta", cfg.number("rope_local_base_freq", 10_000.0)),
+                **_gemma(cfg, (None, None)))
 
 
 def _gpt_oss(cfg: Fields) -> dict:
@@ -176,7 +230,8 @@ def _gpt_oss(cfg: Fields) -> dict:
 
 
 _FAMILY_OPTIONS = {"Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3, "LlamaForCausalLM": _llama3,
-                   "MistralForCausalLM": _mistral, "Gemma2ForCausalLM": _gemma2, "GptOssForCausalLM": _gpt_oss}
+                   "MistralForCausalLM": _mistral, "Gemma2ForCausalLM": _gemma2, "Gemma3ForCausalLM": _gemma3,
+                   "GptOssForCausalLM": _gpt_oss}
 
 
 def _deepseek_moe(cfg: Fields) -> MoEConfig:
@@ -199,7 +254,7 @@ def _deepseek_moe(cfg: Fields) -> MoEConfig:
 def family_layer(t, p: str, c: ModelConfig, arch: str, base) -> LayerWeights:
     """One GQA layer of a family: Llama's tensors plus the family's biases, norms and sinks."""
     h, d, a = c.hidden_size, c.head_dim, f"{p}.self_attn"
-    gemma = arch == "Gemma2ForCausalLM"
+    gemma = arch in GEMMAS  # Gemma's RMSNorm multiplies by 1 + w (Gemma3RMSNorm): loaded so, in float32
     norm = (lambda name, n: np.float32(1.0) + t.get(name, (n,))) if gemma else (lambda name, n: t.get(name, (n,)))
     w = dict(attn_norm=norm(f"{p}.input_layernorm.weight", h), **base._gqa(t, p, c))
     if gemma:
