@@ -12,6 +12,7 @@ import pytest
 
 from minikv.errors import ParallelError
 from minikv.parallel.watchdog import TIMEOUT_ENV, Watchdog, timeout_s
+from tests.conftest import require_module
 from tests.test_cli_reliability import tiny_gguf  # noqa: F401  (the fixture)
 from tests.test_mpi_start import errors, generate, run_ranks
 
@@ -64,3 +65,55 @@ def test_the_deadline_must_be_a_positive_number_of_seconds(monkeypatch, raw):
 def test_the_default_deadline_is_ten_minutes(monkeypatch):
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     assert timeout_s() == 600.0
+
+
+class FakeComm:
+    """Rank 0 of 2, in one process: ``inbox`` holds the roll calls rank 1 sent; ``sent`` what rank 0 sends."""
+
+    def __init__(self, inbox: list):
+        self.inbox, self.sent = list(inbox), []
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Iprobe(self, source, tag, status):
+        if self.inbox:
+            status.source = 1
+        return bool(self.inbox)
+
+    def recv(self, source, tag):
+        return self.inbox.pop(0)
+
+    def isend(self, obj, dest, tag):
+        self.sent.append((dest, obj))
+        return Done()
+
+
+class Done:
+    """An MPI request that completes once ``ready()`` is true."""
+
+    def __init__(self, ready=lambda: True):
+        self.ready = ready
+
+    def Test(self):
+        return self.ready()
+
+
+def test_a_rank_late_past_the_deadline_but_in_time_for_the_roll_call_is_not_an_error():
+    require_module("mpi4py")
+    comm = FakeComm([])
+    dog = Watchdog(comm, "world", timeout=0.1)
+    dog.wait(Done(lambda: bool(comm.sent)), "allreduce")  # the other rank comes once the roll call went out
+    assert comm.sent == [(1, (1, "allreduce"))]
+
+
+def test_a_waiting_rank_answers_each_roll_call_once():
+    require_module("mpi4py")
+    comm = FakeComm([(4, "allgather"), (4, "allgather")])  # rank 1 asks twice where rank 0 waits
+    dog = Watchdog(comm, "tp", timeout=60)
+    dog.count = 3
+    dog.wait(Done(lambda: not comm.inbox), "allgather")  # past the 50 ms of spinning it reads its messages
+    assert comm.sent == [(1, (4, "allgather"))]
