@@ -293,3 +293,19 @@ def test_a_quantized_kv_dtype_on_a_layout_without_blocks_is_refused(command, cac
     assert "use --cache paged" in line
     # fp32 is the plain cache: any layout takes it (then the junk model is what is refused)
     assert_refused([*argv, "--cache", cache, "--kv-dtype", "fp32"], "--model")
+
+
+
+def test_compare_names_the_block_size_flag_that_outgrows_memory(monkeypatch, tmp_path):
+    # the paged caches' own check names their argument (block_size); the command names what the user typed
+    from minikv.weights.random_models import random_model
+    from tests.test_gguf import TINY_TOKENS, write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"  # head_dim 8: the smallest the GPU kernels take; 256 bytes of K/V a token
+    write_tiny_gguf(path, random_model(num_layers=2, hidden_size=16, num_heads=2, num_kv_heads=2, head_dim=8,
+                                       intermediate_size=12, vocab_size=len(TINY_TOKENS), max_position=64, seed=1))
+    monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 2**30)
+    argv = ["compare", "--prompt-ids", "1 2", "--model", str(path), "--backend", "sim", "--cache", "paged",
+            "--block-size", "2147483647"]
+    line = assert_refused(argv, "--block-size=2,147,483,647 needs")
+    assert "the largest --block-size that fits is 4,194,303" in line and "one K/V block" in line

@@ -20,8 +20,9 @@ PER_RANK = ("import json, os, sys, time; from mpi4py import MPI; r = int(os.envi
             "sys.exit(main(argv))")
 
 
-def run_ranks(per_rank: list, env: dict | None = None):
-    return mpirun(len(per_rank), sys.executable, "-c", PER_RANK, json.dumps(per_rank), timeout=120, env=env)
+def run_ranks(per_rank: list, env: dict | None = None, script: str = PER_RANK, timeout: float = 120):
+    """``mpiexec -n len(per_rank) python -c script``; rank r reads its entry of ``per_rank`` from argv[1]."""
+    return mpirun(len(per_rank), sys.executable, "-c", script, json.dumps(per_rank), timeout=timeout, env=env)
 
 
 def errors(stderr: str) -> list[str]:

@@ -11,7 +11,8 @@ handler (with its refusal). The ranks exchange what they bring; if any refused, 
 differ, every rank raises the same ``ParallelError`` and rank 0 alone prints it, naming the rank.
 The exchange is point to point with a deadline (``MINIKV_MPI_TIMEOUT`` seconds, default 600: it
 covers the slowest rank's model load), so a silent rank ends in ``CollectiveTimeoutError`` naming
-it instead of a hang.
+it instead of a hang. The collectives of the run itself wait under the same deadline
+(``minikv.parallel.watchdog``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import time
 
 import numpy as np
 
-from minikv.errors import CollectiveTimeoutError, ParallelError, check_float
+from minikv.errors import CollectiveTimeoutError, ParallelError
+from minikv.parallel.watchdog import TIMEOUT_ENV, timeout_s
 
-TIMEOUT_ENV = "MINIKV_MPI_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0
 _TAG = 25_001  # the start-up exchange's messages (apart from any other point-to-point traffic)
 _state: dict = {"comm": None, "done": False}
 
@@ -57,17 +57,6 @@ def join():
 def silent() -> bool:
     """Whether this rank leaves the printing of an agreed refusal to rank 0."""
     return _state["comm"] is not None and _state["comm"].Get_rank() != 0
-
-
-def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        val = float(raw)
-    except ValueError:
-        val = raw
-    return check_float(f"${TIMEOUT_ENV}", val, error=ParallelError, hint="seconds a rank waits for the others")
 
 
 def digest(args, model) -> tuple[str, str]:

@@ -1,6 +1,7 @@
 """Step 8: the cache across MPI ranks (lesson: ``minikv.textbook.s8_heads``).
 
 ``collectives``  all-reduce, all-gather and agreement over mpi4py, with a wire-byte trace
+``watchdog``     how long a rank waits in a collective, and which rank it names when it gives up
 ``tensor``       tensor parallelism: each rank holds some heads (and their KV cache) and a slice of every matrix
 ``context``      context parallelism for MLA: the latent cache striped over ranks, partial softmax states merged
 """

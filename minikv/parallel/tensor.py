@@ -42,6 +42,9 @@ Faults: every forward starts with an Allreduce of an error flag (``agree``): a r
 cache step or positions were refused sets it, and then every rank raises (the others a
 ``RankFailedError`` naming the rank and its message) before any layer collective, so nobody
 hangs. ``abort_on_error`` is the backstop for errors after that point: it aborts the communicator.
+A rank that raises nothing but stops answering is caught by the watchdog of every collective
+(``minikv.parallel.watchdog``): after ``$MINIKV_MPI_TIMEOUT`` seconds the others raise
+``CollectiveTimeoutError`` naming it, and the job ends with one line.
 
 The GPU wing: ``minikv_gpu.parallel`` runs this loop with each rank's share on its device and the
 collectives on device arrays (host-staged, or ``cupy.cuda.nccl``).
