@@ -14,6 +14,7 @@ window kernels (v1 with its mass, v3, v4) and the GPU hybrid cache run at test_g
 test_gpu_hybrid.py's shapes (4 query heads over 2 KV heads, head_dim 16).
 """
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,13 +22,15 @@ import pytest
 
 from minikv import kv_cache as ref
 from minikv import window as ref_window
-from minikv.bench.equivalence import KERNEL_RTOL, rel_err
+from minikv.bench.equivalence import KERNEL_RTOL, assert_close, rel_err
 from minikv.errors import ConfigError, ShapeError
 from minikv.hybrid import hybrid_cache as ref_hybrid_cache
+from minikv.model import Model, rope_tables
 from minikv.model import apply_rope as ref_rope
-from minikv.model import rope_tables
+from minikv.weights.random_models import random_model
 from minikv_gpu import hybrid as ghybrid
 from minikv_gpu import kv_cache as gpu
+from minikv_gpu import model as gmodel
 from minikv_gpu import paged as gpaged
 from minikv_gpu import quant as gquant
 from minikv_gpu import window as gwindow
@@ -179,6 +182,28 @@ def test_hybrid_cache_passes_the_options_to_every_group(rt, kind):
             assert rel_err(rt.asnumpy(outs[1][layer]), outs[0][layer]) <= KERNEL_RTOL, (num_new, layer)
     sliding = [g for _, g in caches[1].groups if isinstance(g, ghybrid.SlidingRingKVCache)]
     assert sliding[0].gpu_steps == 1  # the decode step ran the window kernel
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_gpu_model_runs_a_model_with_sinks_and_softcap(rt, fused):
+    """test_gpu_model.py's "gqa3" model given learned sinks and a cap: prefill, then decode steps (the fused
+    kernel on them when fused), equal to the NumPy model's uncached logits. Options it cannot run are refused."""
+    cpu = random_model(rope_layout="half", seed=5, num_heads=6, num_kv_heads=2, head_dim=16, hidden_size=42,
+                       intermediate_size=70)
+    rng = np.random.default_rng(41)
+    layers = [replace(lw, sinks=(rng.standard_normal(6) * 2).astype(np.float32)) for lw in cpu.weights.layers]
+    model = Model(replace(cpu.config, attn_softcap=0.5, sinks=True), replace(cpu.weights, layers=layers),
+                  dtype=np.float32)
+    ids = [3, 1, 4, 1, 5, 9, 2]
+    want = model.logits(ids)[4:]
+    assert rel_err(cpu.logits(ids)[4:], want) > 1e-2
+    gpu = gmodel.from_cpu(model, runtime=rt, fused=fused)
+    cache = gpu.new_cache(1, 8)
+    cache.add_sequence(0)
+    got = [rt.asnumpy(gpu.forward([ids[:5]], cache))] + [rt.asnumpy(gpu.forward([[t]], cache)) for t in ids[5:]]
+    assert_close(np.concatenate(got), want, np.float32)
+    with pytest.raises(ConfigError, match="config.final_softcap=30.0"):
+        gmodel.from_cpu(Model(replace(cpu.config, final_softcap=30.0), cpu.weights, dtype=np.float32), runtime=rt)
 
 
 def test_bad_options_and_caches_without_them_refuse(rt):
