@@ -1,6 +1,8 @@
-"""Learned sinks and tanh soft-capping in every decode kernel of the contiguous and paged caches equal the
-NumPy cache with the same options (online_softmax.cuh's Options: v1/v2 through attend_tiles and start(sink),
-v3/v4 through decode_core.cuh's softmax_update and finish, the fused rope_write_attend v1/v2).
+"""Learned sinks and tanh soft-capping in every decode kernel equal NumPy with the same options
+(online_softmax.cuh's Options): the contiguous cache's v1-v4 and fused rope_write_attend v1/v2, the paged
+cache's v1-v4 and paged_attention, the window kernels v1 (with the mass)/v3/v4, the GPU hybrid cache, and the
+GPU model that passes them down. v1/v2 apply them through attend_tiles and start(sink), v3/v4 through
+decode_core.cuh's softmax_update and finish. The quantized GPU cache refuses them, as the NumPy one does.
 
 Two sequences with 5 and 40 tokens of history, then a decode step: 6 and 41 keys, so the last tile is partial
 and a split into 32-key ranges leaves the longer history a second range of 9 keys while the shorter has one.
