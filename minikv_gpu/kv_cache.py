@@ -84,7 +84,9 @@ class NoCache(_cpu.NoCache):
         check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         self._k[layer], self._v[layer] = k, v
 
-    def attend(self, layer: int, q):
+    def attend(self, layer: int, q, sinks=None, softcap: float | None = None):
+        """q: [N, Hq, D] -> [N, Hq, D] float32; sinks ([Hq] learned sink logits), softcap: as ``attend`` of
+        ``ContiguousKVCache`` (``minikv.online_softmax``'s options)."""
         self._check_layer(layer)
         step = self._require_step()
         if self._k[layer] is None:
@@ -94,7 +96,7 @@ class NoCache(_cpu.NoCache):
         for i in range(len(step.seq_ids)):
             r = step.rows(i)
             qi, ki, vi = (xp.ascontiguousarray(a[r].transpose(1, 0, 2)) for a in (q, self._k[layer], self._v[layer]))
-            out[r] = causal_attention(qi, ki, vi, runtime=self.rt).transpose(1, 0, 2)
+            out[r] = causal_attention(qi, ki, vi, sinks=sinks, softcap=softcap, runtime=self.rt).transpose(1, 0, 2)
         return out
 
 

@@ -30,6 +30,7 @@ from minikv.hybrid import hybrid_cache as ref_hybrid_cache
 from minikv.model import Model, rope_tables
 from minikv.model import apply_rope as ref_rope
 from minikv.weights.random_models import random_model
+from minikv_gpu import attention as gattention
 from minikv_gpu import hybrid as ghybrid
 from minikv_gpu import kv_cache as gpu
 from minikv_gpu import model as gmodel
@@ -189,7 +190,8 @@ def test_hybrid_cache_passes_the_options_to_every_group(rt, kind):
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_gpu_model_runs_a_model_with_sinks_and_softcap(rt, fused):
     """test_gpu_model.py's "gqa3" model given learned sinks and a cap: prefill, then decode steps (the fused
-    kernel on them when fused), equal to the NumPy model's uncached logits. Options it cannot run are refused."""
+    kernel on them when fused), and its uncached logits (the GPU NoCache), equal to the NumPy model's. Options
+    it cannot run are refused."""
     cpu = random_model(rope_layout="half", seed=5, num_heads=6, num_kv_heads=2, head_dim=16, hidden_size=42,
                        intermediate_size=70)
     rng = np.random.default_rng(41)
@@ -204,6 +206,8 @@ def test_gpu_model_runs_a_model_with_sinks_and_softcap(rt, fused):
     cache.add_sequence(0)
     got = [rt.asnumpy(gpu.forward([ids[:5]], cache))] + [rt.asnumpy(gpu.forward([[t]], cache)) for t in ids[5:]]
     assert_close(np.concatenate(got), want, np.float32)
+    if not fused:  # the uncached logits: the GPU NoCache, causal_attention_v1 with the options
+        assert_close(rt.asnumpy(gpu.logits(ids))[4:], want, np.float32)
     with pytest.raises(ConfigError, match="config.final_softcap=30.0"):
         gmodel.from_cpu(Model(replace(cpu.config, final_softcap=30.0), cpu.weights, dtype=np.float32), runtime=rt)
 
@@ -219,6 +223,9 @@ def test_bad_options_and_caches_without_them_refuse(rt):
             cache.attend(0, q, sinks=rt.asarray(np.zeros(3, np.float32)))
         with pytest.raises(ConfigError, match="softcap=-1.0"):
             cache.attend(0, q, softcap=-1.0)
+    with pytest.raises(ConfigError, match="version=1"):
+        gattention.causal_attention(q.transpose(1, 0, 2), z.transpose(1, 0, 2), z.transpose(1, 0, 2), softcap=CAP,
+                                    version=0, runtime=rt)
     qc = gquant.QuantizedPagedKVCache(1, HKV, D, 4, block_size=4, kv_dtype="int8", runtime=rt)
     qc.add_sequence(0)
     qc.begin_step([0], [1])
