@@ -67,8 +67,12 @@
 //       ptxas: decode_attention_v4 66-112 registers at G=1, 101-219 at G=3, 120-245 at G=4, 196-244 at G=8;
 //       0 spills. Measured: waits for a GPU.
 //   options (issue 23): learned sinks and soft-capping reached v3/v4 and the fused kernels (before: v1/v2
-//       only, and kv_cache.py refused them elsewhere). The cap is a warp-uniform branch per iteration; the
-//       sink costs one more term in finish's cross-warp merge. ptxas: see benchmarks/results/nvcc_report.json.
+//       only, and kv_cache.py refused them elsewhere). The cap is a uniform branch per score in the key loop;
+//       the sink one more term in finish's cross-warp merge. ptxas (nvcc 13.0, sm_80/sm_90, every define set
+//       above) against the committed nvcc_report.json: decode_attention_v3 68-252 registers (was 64-253; one
+//       set +25), v4 68-250 (was 66-245), v1 32-40, v2 32-44, rope_write_attend_v1 39-44, _v2 39-44 (+5 at
+//       most); paged.cu's v3 71-255 (was 69-246), v4 71-255; 0 spills and no stack frame anywhere. Time:
+//       waits for a GPU (the cap's tanhf per score is the cost to watch on a decode step that uses it).
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
 //   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
