@@ -79,7 +79,7 @@ def _launcher(rt, q, k, v, pos, q_pos, case: WindowCase, version: int, want_mass
     """A no-argument launch of ``window_decode``'s kernel on these device inputs (its code, without the
     per-call host round trip of the positions), and its out (, mass) buffers."""
     from minikv_gpu import window as gw
-    from minikv_gpu.runtime import device_f32, head_dim_defines
+    from minikv_gpu.runtime import device_f32, head_dim_defines, score_options
 
     b, hq, d = q.shape
     hkv, c, group = case.num_kv_heads, case.slots, hq // case.num_kv_heads
@@ -91,7 +91,7 @@ def _launcher(rt, q, k, v, pos, q_pos, case: WindowCase, version: int, want_mass
     mass = xp.zeros((b, hkv, c) if want_mass else (1,), dtype=np.float32)
     common = (pos, q_pos, cos, sin, out)
     scalars = (np.int32(hq), np.int32(hkv), np.int32(c), np.int32(case.window), np.int32(case.sinks),
-               np.int32(mode), np.float32(1.0 / np.sqrt(d)))
+               np.int32(mode), np.float32(1.0 / np.sqrt(d))) + score_options(rt, hq)  # no sinks, no cap
     qd = device_f32(rt, q, "q")
     if version >= 3:
         kern = rt.kernel("window", f"window_decode_v{version}", defines={**defines, "GQA_GROUP": group})

@@ -26,7 +26,7 @@ import numpy as np
 from minikv.attention import check_qkv as ref_check_qkv
 from minikv.attention import kv_head_for_query_head
 from minikv.errors import ConfigError, DTypeError, ShapeError
-from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines
+from minikv_gpu.runtime import device_f32, get_runtime, head_dim_defines, score_options
 
 __all__ = ["softmax", "kv_head_for_query_head", "check_qkv", "attention_weights", "causal_attention", "THREADS"]
 
@@ -113,13 +113,15 @@ def attention_weights(q, k, causal: bool = True, *, runtime=None):
     return probs.reshape(*batch, hq, t, s)
 
 
-def causal_attention(q, k, v, causal: bool = True, check: bool = True, *, version: int = 1, runtime=None):
+def causal_attention(q, k, v, causal: bool = True, check: bool = True, *, sinks=None, softcap: float | None = None,
+                     version: int = 1, runtime=None):
     """Scaled dot-product attention with a bottom-right causal mask and GQA.
 
     q: [..., Hq, T, D], k/v: [..., Hkv, S, D] -> out: [..., Hq, T, D] (float32)
     check: validate the call (``minikv.attention.causal_attention``'s argument; the dtype and head_dim
     checks of the GPU wing run always, since a kernel cannot take what they refuse)
     version 0: matmul + ``causal_softmax_v0`` + matmul; version 1: the fused kernel ``causal_attention_v1``.
+    sinks ([Hq] learned sink logits, float32), softcap: ``minikv.online_softmax``'s options (version 1).
     """
     rt = get_runtime(runtime)
     if check:
@@ -131,6 +133,10 @@ def causal_attention(q, k, v, causal: bool = True, check: bool = True, *, versio
                           "softmax kernel + matmul) and 1 (the fused kernel)")
     q, k, v = (device_f32(rt, a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     *batch, hq, t, d = q.shape
+    options = score_options(rt, hq, sinks, softcap)
+    if version == 0 and (sinks is not None or softcap is not None):
+        raise ConfigError("learned sinks and soft-capping run in causal_attention's fused kernel (version=1); "
+                          "version 0's softmax kernel does not take them")
     hkv, s = k.shape[-3], k.shape[-2]
     if version == 0:
         probs = attention_weights(q, k, causal, runtime=rt).reshape(*batch, hkv, hq // hkv, t, s)
@@ -145,5 +151,5 @@ def causal_attention(q, k, v, causal: bool = True, check: bool = True, *, versio
     kern = rt.kernel("attention", "causal_attention_v1", defines=head_dim_defines(d))
     kern((_grid(t, ROWS_PER_BLOCK), hq, b), (32 * ROWS_PER_BLOCK,),
          (q, k, v, out, np.int32(hq), np.int32(hkv), np.int32(t), np.int32(s), np.int32(causal),
-          np.float32(1.0 / np.sqrt(d))))
+          np.float32(1.0 / np.sqrt(d))) + options)
     return out

@@ -68,10 +68,13 @@ class HybridKVCache(_cpu_groups.HybridKVCache):
             k, v = self.rt.asnumpy(k), self.rt.asnumpy(v)
         super().write(layer, k, v)
 
-    def attend(self, layer: int, q):
+    def attend(self, layer: int, q, sinks=None, softcap: float | None = None):
+        """q: [N, Hq, D] -> [N, Hq, D] on the device; sinks ([Hq] learned sink logits) and softcap reach the
+        layer's group cache (``minikv.online_softmax``'s options), on the host for a sliding group."""
         if layer in self._host:
-            return self.rt.asarray(super().attend(layer, self.rt.asnumpy(q)))
-        return super().attend(layer, q)
+            host = None if sinks is None else self.rt.asnumpy(sinks)
+            return self.rt.asarray(super().attend(layer, self.rt.asnumpy(q), sinks=host, softcap=softcap))
+        return super().attend(layer, q, sinks=sinks, softcap=softcap)
 
 
 def hybrid_cache(kind: str, windows: Sequence[int | None], num_kv_heads: int, head_dim: int, max_len: int = 1,

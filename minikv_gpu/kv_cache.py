@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from minikv import kv_cache as _cpu
-from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_float
+from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError
 from minikv.kv_cache import Step
 from minikv_gpu import versions
 from minikv_gpu.attention import causal_attention  # NoCache: step 1's attention is its whole data path
@@ -53,6 +53,7 @@ from minikv_gpu.runtime import (
     get_runtime,
     head_dim_defines,
     multiprocessors,
+    score_options,
 )
 
 __all__ = ["NoCache", "ContiguousKVCache", "KEY_TILE", "MIN_KEYS_PER_SPLIT", "BLOCKS_PER_SM"]
@@ -83,7 +84,9 @@ class NoCache(_cpu.NoCache):
         check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         self._k[layer], self._v[layer] = k, v
 
-    def attend(self, layer: int, q):
+    def attend(self, layer: int, q, sinks=None, softcap: float | None = None):
+        """q: [N, Hq, D] -> [N, Hq, D] float32; sinks ([Hq] learned sink logits), softcap: as ``attend`` of
+        ``ContiguousKVCache`` (``minikv.online_softmax``'s options)."""
         self._check_layer(layer)
         step = self._require_step()
         if self._k[layer] is None:
@@ -93,7 +96,7 @@ class NoCache(_cpu.NoCache):
         for i in range(len(step.seq_ids)):
             r = step.rows(i)
             qi, ki, vi = (xp.ascontiguousarray(a[r].transpose(1, 0, 2)) for a in (q, self._k[layer], self._v[layer]))
-            out[r] = causal_attention(qi, ki, vi, runtime=self.rt).transpose(1, 0, 2)
+            out[r] = causal_attention(qi, ki, vi, sinks=sinks, softcap=softcap, runtime=self.rt).transpose(1, 0, 2)
         return out
 
 
@@ -168,20 +171,21 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         """Attention of the step's queries over each sequence's cached history (this step's rows
         included, causally). q: [N, Hq, D] float32 -> [N, Hq, D] float32. ``version`` and
         ``num_splits`` override the cache's for this call. ``sinks`` ([Hq] learned sink logits) and
-        ``softcap`` are ``minikv.online_softmax``'s options; versions 1 and 2 take them."""
+        ``softcap`` are ``minikv.online_softmax``'s options; every version takes them."""
         return self.prepare_attend(layer, q, version=version, num_splits=num_splits, sinks=sinks, softcap=softcap)()
 
     def rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *, version: int | None = None,
-                          num_splits: int | None = None):
+                          num_splits: int | None = None, sinks=None, softcap: float | None = None):
         """The fused kernel: ``write(layer, rope(k), v)`` then ``attend(layer, rope(q))`` in one launch.
 
         q: [N, Hq, D], k/v: [N, Hkv, D] float32, *before* RoPE; cos/sin: [N, D/2] at the
         tokens' positions; layout "interleaved" or "half" (see ``minikv.model.apply_rope``).
         Decode steps only (every sequence brings one token): a sequence's new tokens
-        would otherwise need keys written by other blocks of the same launch.
+        would otherwise need keys written by other blocks of the same launch. ``sinks`` and
+        ``softcap``: as for ``attend``.
         """
         out = self.prepare_rope_write_attend(layer, q, k, v, cos, sin, layout, version=version,
-                                             num_splits=num_splits)()
+                                             num_splits=num_splits, sinks=sinks, softcap=softcap)()
         self._written.add(layer)  # the fused launch wrote this layer's K/V (the seam's rule: KVCacheBase)
         return out
 
@@ -194,18 +198,12 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         ``launch.splits`` and ``launch.keys_per_split`` say what was chosen."""
         self._check_layer(layer)
         q = self._check_query(q)
-        options = None
-        if sinks is not None or softcap is not None:
-            hq = q.shape[1]
-            if getattr(sinks, "shape", (hq,)) != (hq,):
-                raise ShapeError(f"sinks.shape={sinks.shape}, expected one logit per query head: ({hq},)")
-            cap = 0.0 if softcap is None else check_float("softcap", softcap)
-            dev = device_f32(self.rt, np.zeros(hq, np.float32) if sinks is None else sinks, "sinks")
-            options = (dev, np.int32(sinks is not None), np.float32(cap))
+        options = score_options(self.rt, q.shape[1], sinks, softcap)
         return self._plan_attention("decode_attention", layer, q, (), version, num_splits, options)
 
     def prepare_rope_write_attend(self, layer: int, q, k, v, cos, sin, layout: str, *,
-                                  version: int | None = None, num_splits: int | None = None):
+                                  version: int | None = None, num_splits: int | None = None, sinks=None,
+                                  softcap: float | None = None):
         """``prepare_attend`` for the fused kernel (see ``rope_write_attend``)."""
         self._check_layer(layer)
         step = self._require_step()
@@ -215,6 +213,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         if layout not in ("interleaved", "half"):
             raise ConfigError(f"rope layout {layout!r}; use 'interleaved' or 'half'")
         q = self._check_query(q)
+        options = score_options(self.rt, q.shape[1], sinks, softcap)
         check_device_rows(self, self.rt, "k", k, self.num_kv_heads)
         check_device_rows(self, self.rt, "v", v, self.num_kv_heads)
         half = (step.num_tokens, self.head_dim // 2)
@@ -224,7 +223,7 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         rt = self.rt
         extra = (device_f32(rt, k, "k"), device_f32(rt, v, "v"), device_f32(rt, cos, "cos"),
                  device_f32(rt, sin, "sin"), np.int32(layout == "half"))
-        return self._plan_attention("rope_write_attend", layer, q, extra, version, num_splits)
+        return self._plan_attention("rope_write_attend", layer, q, extra, version, num_splits, options)
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_query(self, q):
@@ -250,14 +249,11 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         per = -(-per // KEY_TILE) * KEY_TILE  # split boundaries on tile boundaries
         return -(-max_keys // per), per
 
-    def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool,
-                options: bool = False) -> tuple[int, int, int]:
+    def _choose(self, version, num_splits, n_blocks: int, group: int, fused: bool) -> tuple[int, int, int]:
         """(version, n_splits, keys_per_split): v1 attends one range; v2 splits (``num_splits`` or
         automatic); v3/v4 (decode steps; ``versions.choose_version``) split by ``versions.split_plan``;
         None without them: v2 when the split count comes out above 1."""
         refusal = versions.decode_refusal(group, self.head_dim, self._dev["decode"], fused)
-        if options:
-            refusal = ConfigError, "learned sinks and soft-capping run in versions 1 and 2 (3 and 4 do not take them)"
         version = versions.choose_version(version, self.version, refusal)
         if version == 1 and num_splits not in (None, 1):
             raise ConfigError(f"version=1 attends each history in one range; num_splits={num_splits} "
@@ -271,25 +267,23 @@ class ContiguousKVCache(_cpu.ContiguousKVCache):
         splits, per = self._splits(1 if version == 1 else num_splits, n_blocks)
         return version or (2 if splits > 1 else 1), splits, per
 
-    def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits, options=None):
+    def _plan_attention(self, op: str, layer: int, q, extra: tuple, version, num_splits, options: tuple):
+        """The launch of ``op``'s kernel (and the reduce) for ``prepare_attend`` and ``prepare_rope_write_attend``;
+        options: ``score_options``' (sinks, use_sinks, softcap), which every kernel here takes last."""
         rt, xp = self.rt, self.rt.xp
         n, hq, d = q.shape
         group = hq // self.num_kv_heads
         version, splits, per = self._choose(version, num_splits, n * self.num_kv_heads, group,
-                                            op == "rope_write_attend", options is not None)
+                                            op == "rope_write_attend")
         out = xp.empty((n, hq, d), dtype=np.float32)
         head = (q,) + extra + (self.k, self.v, self._dev["slot"], self._dev["pos"])
         sizes = (np.int32(layer), np.int32(hq), np.int32(self.num_kv_heads), np.int32(self.max_seqs),
                  np.int32(self.max_len))
-        scale = np.float32(1.0 / np.sqrt(d))
+        scale = (np.float32(1.0 / np.sqrt(d)),) + options
         grid, block, smem = (n, self.num_kv_heads, splits), (32 * group,), 4 * group * d
         defines = versions.decode_defines(self.defines, group) if version >= 3 else self.defines
         kern = rt.kernel("kv_cache", f"{op}_v{version}", defines=defines)
         reduce = None
-        if op == "decode_attention" and version <= 2:  # v1/v2 take the score options (none: zeros, 0, 0)
-            scale = (scale,) + (options or (xp.zeros(hq, dtype=np.float32), np.int32(0), np.float32(0.0)))
-        else:
-            scale = (scale,)
         if version == 1:
             args = head + (out,) + sizes + scale
         else:

@@ -116,6 +116,21 @@ def apply_rope(x, cos, sin, layout: str, *, runtime=None):
     return out
 
 
+# What the GPU decoder does not run yet: the config fields of issue 23's families beyond Gemma-3's and the
+# score options (sinks, attn_softcap). A model that needs one is refused by name: without it the logits would be
+# plausible and wrong.
+_NOT_ON_GPU = {"qkv_bias": "Q/K/V biases", "o_bias": "an output bias", "final_softcap": "final-logit soft-capping",
+               "rope_scaling": "scaled RoPE", "moe": "a mixture-of-experts MLP"}
+
+
+def _check_supported(c: ModelConfig) -> None:
+    for name, what in _NOT_ON_GPU.items():
+        used = any(map(c.is_moe, range(c.num_layers))) if name == "moe" else getattr(c, name) not in (None, False)
+        if used:
+            raise ConfigError(f"config.{name}={getattr(c, name)!r}: the GPU model does not run {what} yet; use "
+                              "minikv.model.Model (NumPy) for this model")
+
+
 @dataclass
 class _FusedLayer:
     """A layer's weights on the device, Q/K/V and gate/up concatenated (one matmul each)."""
@@ -132,6 +147,7 @@ class _FusedLayer:
     post_attn_norm: object = None
     post_mlp_norm: object = None
     q_scale: object = None
+    sinks: object = None  # gpt-oss: [Hq] learned sink logits (the caches' kernels take them)
 
     @classmethod
     def upload(cls, lw: LayerWeights, c: ModelConfig, up) -> "_FusedLayer":
@@ -140,7 +156,7 @@ class _FusedLayer:
         return cls(up(lw.attn_norm), up(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)), up(lw.wo), up(lw.mlp_norm),
                    up(np.concatenate([lw.w_gate, lw.w_up], axis=1)), up(lw.w_down), opt(lw.q_norm), opt(lw.k_norm),
                    opt(lw.post_attn_norm), opt(lw.post_mlp_norm),
-                   None if s is None or s == c.head_dim else np.float32(np.sqrt(c.head_dim / s)))
+                   None if s is None or s == c.head_dim else np.float32(np.sqrt(c.head_dim / s)), opt(lw.sinks))
 
 
 @dataclass
@@ -220,6 +236,7 @@ class Model(_cpu.Model):
             raise DTypeError(f"cache_dtype={np.dtype(self.cache_dtype)}; use np.float32 or np.float16")
         self.dtype = np.float32
         c = self.config
+        _check_supported(c)
         self.rt = get_runtime(self.runtime)
         if c.mla is None:
             head_dim_defines(c.head_dim)  # fail now, not at the first launch
@@ -308,15 +325,20 @@ class Model(_cpu.Model):
         if lw.q_norm is not None:  # Gemma-3's QK-norm: RMSNorm over D in every head, before RoPE
             q = rms_norm(q.reshape(n * hq, d), lw.q_norm, c.rms_eps, runtime=rt).reshape(n, hq, d)
             k = rms_norm(k.reshape(n * hkv, d), lw.k_norm, c.rms_eps, runtime=rt).reshape(n, hkv, d)
+        options = {}  # gpt-oss's sinks, Gemma 2's cap: inside the kernels' online softmax (minikv.model's rule)
+        if lw.sinks is not None:
+            options["sinks"] = lw.sinks
+        if c.attn_softcap is not None:
+            options["softcap"] = c.attn_softcap
         if fused and lw.q_scale is None:
-            attn = cache.rope_write_attend(li, q, k, v, cos, sin, c.rope_layout)
+            attn = cache.rope_write_attend(li, q, k, v, cos, sin, c.rope_layout, **options)
         else:
             q = apply_rope(q, cos, sin, c.rope_layout, runtime=rt)
             k = apply_rope(k, cos, sin, c.rope_layout, runtime=rt)
             if lw.q_scale is not None:  # the kernels scale by 1/sqrt(D); Gemma wants 1/sqrt(query_pre_attn_scalar)
                 q = q * lw.q_scale
             cache.write(li, k, v)
-            attn = cache.attend(li, q)  # [N, Hq, D]
+            attn = cache.attend(li, q, **options)  # [N, Hq, D]
         out = xp.matmul(attn.reshape(n, hq * d), lw.wo)
         return out if lw.post_attn_norm is None else rms_norm(out, lw.post_attn_norm, c.rms_eps, runtime=rt)
 

@@ -69,6 +69,7 @@ from minikv_gpu.runtime import (
     head_dim_defines,
     host_array,
     multiprocessors,
+    score_options,
 )
 
 __all__ = ["Block", "BlockAllocator", "chain_hash", "num_blocks_for", "slot_mapping", "default_blocks_per_tile",
@@ -172,10 +173,11 @@ def reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, *, runtime=None) -> No
 
 
 def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, token_pos, max_context: int,
-                    version: int | None, partition_size: int):
+                    version: int | None, partition_size: int, options: tuple):
     """Allocate the buffers of one attention launch and return ``launch()`` -> out [N, Hq, D] float32.
 
     Arguments are already checked; ``tables``, ``token_seq``, ``token_pos`` are int32 device arrays;
+    ``options`` is ``runtime.score_options``' (sinks, use_sinks, softcap), which every kernel takes last;
     ``version`` is resolved (``versions.choose_version``: None means v1 or v2 by ``v1_or_v2``).
     ``launch.version`` and ``launch.partitions`` say what was chosen (for benchmarks).
     """
@@ -187,13 +189,13 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
         version = v1_or_v2(max_context, n, hkv, partition_size, rt)
     out = xp.empty((n, hq, d), dtype=np.float32)
     common = (np.int32(hq), np.int32(hkv), np.int32(bs), np.int32(tables.shape[1]))
-    scale = np.float32(1.0 / np.sqrt(d))
+    scale = (np.float32(1.0 / np.sqrt(d)),) + options
     block, smem, reduce = (32 * group,), 4 * group * d, None
     head = (q, k_pool, v_pool, tables, token_seq, token_pos)
     if version == 1:
         parts, per = 1, partition_size
         kern = rt.kernel("paged", "paged_decode_attention_v1", defines=defines)
-        args = head + (out,) + common + (scale,)
+        args = head + (out,) + common + scale
     else:
         if version >= 3:
             parts, per = versions.decode_splits(max_context, n * hkv, version, group, d, partition_size, rt)
@@ -205,7 +207,7 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
                     xp.empty(shape + (d,), dtype=np.float32))  # m, l, acc: kernels/split_k.cuh
         kdefs = {**versions.decode_defines(defines, group), **versions.block_defines(bs)} if version >= 3 else defines
         kern = rt.kernel("paged", f"paged_decode_attention_v{version}", defines=kdefs)
-        args = head + ((out,) if version >= 3 else ()) + partials + common + (np.int32(per), np.int32(parts), scale)
+        args = head + ((out,) if version >= 3 else ()) + partials + common + (np.int32(per), np.int32(parts)) + scale
         if parts > 1 or version == 2:
             reduce = rt.kernel("paged", "attention_reduce_v2", defines=defines)
             reduce_args = partials + (token_pos, out, np.int32(hq), np.int32(per), np.int32(parts))
@@ -221,8 +223,8 @@ def _plan_attention(rt, defines: dict, q, k_pool, v_pool, tables, token_seq, tok
 
 
 def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None,
-                    blocks_per_tile: int | None = None, load_tile=None, *, version: int | None = None,
-                    partition_size: int = PARTITION_SIZE, runtime=None):
+                    blocks_per_tile: int | None = None, load_tile=None, *, sinks=None, softcap: float | None = None,
+                    version: int | None = None, partition_size: int = PARTITION_SIZE, runtime=None):
     """``minikv.paged.attention.paged_attention`` on the GPU: packed queries over each sequence's blocks.
 
     q:            [N, Hq, D] float32 (host or device)
@@ -232,6 +234,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
                   ``KEY_TILE`` keys whatever the block size
     load_tile:    the reference's hook for how a tile of blocks is read; the kernels read the pools
                   themselves, so only None (quantized pools: ``minikv_gpu.quant.quantized_paged_attention``)
+    sinks, softcap: learned sink logits [Hq] (float32) and tanh soft-capping (``minikv.online_softmax``), in
+                  every version
     version:      1, 2, 3, 4 or None (``versions.choose_version``; 3 and 4 only for decode rows: query_lens
                   all 1); partition_size: keys per v2 partition (v3/v4: the least keys per split)
     returns:      [N, Hq, D] float32 on the device
@@ -255,6 +259,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
         raise DTypeError(f"k_pool.dtype={k_pool.dtype} but v_pool.dtype={v_pool.dtype}; store both alike")
     _check_group(hq, k_pool.shape[2], d)
     q = device_f32(rt, q, "q")
+    options = score_options(rt, hq, sinks, softcap)
     seq, pos = query_positions(ctx, qlens)
     # Entries past a sequence's last block are never read (keys < context only), so any padding
     # value may stay; the int32 cast is safe: in-use entries were checked against the pool size.
@@ -263,7 +268,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=No
     refusal = versions.decode_refusal(hq // k_pool.shape[2], d, bool(np.all(qlens == 1)))
     version = versions.choose_version(version, None, refusal)
     return _plan_attention(rt, defines, q, k_pool, v_pool, dev_tables, rt.asarray(seq.astype(np.int32)),
-                           rt.asarray(pos.astype(np.int32)), max_context, version, partition_size)()
+                           rt.asarray(pos.astype(np.int32)), max_context, version, partition_size, options)()
 
 
 def _launch_copy(rt, defines: dict, src_k, src_v, dst_k, dst_v, pairs: np.ndarray) -> None:
@@ -414,23 +419,25 @@ class PagedKVCache(_cpu.PagedKVCache):
         _launch_write(self.rt, self.defines, device_f32(self.rt, k, "k"), device_f32(self.rt, v, "v"),
                       self.k_pool[layer], self.v_pool[layer], self._dev["slots"])
 
-    def attend(self, layer: int, q, *, version: int | None = None):
+    def attend(self, layer: int, q, *, version: int | None = None, sinks=None, softcap: float | None = None):
         """Paged attention of the step's queries (q: [N, Hq, D] float32) over each sequence's blocks
-        -> [N, Hq, D] float32 on the device. ``version`` overrides the cache's choice for this call."""
-        return self.prepare_attend(layer, q, version=version)()
+        -> [N, Hq, D] float32 on the device. ``version`` overrides the cache's choice for this call;
+        ``sinks`` ([Hq] learned sink logits) and ``softcap``: ``minikv.online_softmax``'s options."""
+        return self.prepare_attend(layer, q, version=version, sinks=sinks, softcap=softcap)()
 
-    def prepare_attend(self, layer: int, q, *, version: int | None = None):
+    def prepare_attend(self, layer: int, q, *, version: int | None = None, sinks=None, softcap: float | None = None):
         """Check ``attend``'s arguments and allocate its buffers; return ``launch()``, which runs the
         kernel(s) and returns the output (the same array every call). Benchmarks time ``launch`` alone."""
         self._check_layer(layer)
         check_device_query(self, self.rt, q)
         group = _check_group(q.shape[1], self.num_kv_heads, self.head_dim)
         d = self._dev
+        options = score_options(self.rt, q.shape[1], sinks, softcap)
         refusal = versions.decode_refusal(group, self.head_dim, d["decode"])
         version = versions.choose_version(version, self.version, refusal)
         return _plan_attention(self.rt, self.defines, device_f32(self.rt, q, "q"), self.k_pool[layer],
                                self.v_pool[layer], d["tables"], d["seq"], d["pos"], d["max_context"], version,
-                               self.partition_size)
+                               self.partition_size, options)
 
     # -- inspection -------------------------------------------------------------------------------
     def read_kv(self, seq_id, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -54,6 +54,7 @@ from minikv.errors import (
     InvalidInputError,
     KernelCompileError,
     ShapeError,
+    check_float,
 )
 
 from . import cpu_sim
@@ -388,6 +389,19 @@ def check_device_query(cache, rt: Runtime, q):
     return step
 
 
+def score_options(rt: Runtime, n_heads: int, sinks=None, softcap=None) -> tuple:
+    """The attention kernels' trailing ``(sinks, use_sinks, softcap)`` arguments for ``minikv.online_softmax``'s
+    options (kernels/online_softmax.cuh's Options). sinks: [Hq] learned sink logits, float32, or None;
+    softcap: a positive cap, or None. Neither: zeros, 0 and 0.0 (the kernels then apply nothing).
+    ShapeError / DTypeError / ConfigError name a bad one."""
+    if sinks is not None and getattr(sinks, "shape", None) != (n_heads,):
+        raise ShapeError(f"sinks.shape={getattr(sinks, 'shape', None)}, expected one logit per query head: "
+                         f"({n_heads},)")
+    cap = 0.0 if softcap is None else check_float("softcap", softcap, hint="a positive cap, or None for none")
+    dev = rt.xp.zeros(max(n_heads, 1), dtype=np.float32) if sinks is None else device_f32(rt, sinks, "sinks")
+    return dev, np.int32(sinks is not None), np.float32(cap)
+
+
 def host_array(rt: Runtime, a) -> np.ndarray:
     """A small index array (host or device) as a NumPy array."""
     return rt.asnumpy(a) if isinstance(a, rt.xp.ndarray) else np.asarray(a)
@@ -414,4 +428,4 @@ def multiprocessors(rt: Runtime) -> int:
 
 __all__ = ["BACKENDS", "BLOCKS_PER_SM", "MAX_HEAD_DIM", "STATIC_SMEM_LIMIT", "CupyRuntime", "Runtime", "SimRuntime",
            "cache_defines", "check_device_rows", "default_runtime", "device_attributes", "device_f32", "get_runtime",
-           "head_dim_defines", "host_array", "multiprocessors"]
+           "head_dim_defines", "host_array", "multiprocessors", "score_options"]

@@ -10,7 +10,10 @@ on the stored positions, as the base ``Policy``, H2O and SnapKV see their slots)
   visible key is rotated by its rank among the visible keys and the query by its own rank, the
   window policy's closed form (``minikv.window.ring.rank_positions`` on a ring that lost nothing else);
 * ``want_mass=True``: also return each slot's softmax mass summed over the G query heads of its KV
-  head (``minikv.window.ring.attend_slots``' ``mass``, what H2O accumulates), 0 where not visible.
+  head (``minikv.window.ring.attend_slots``' ``mass``, what H2O accumulates), 0 where not visible;
+* ``sink_logits=[Hq]``, ``softcap=``: ``minikv.online_softmax``'s learned sinks (gpt-oss; one logit per
+  query head in the denominator, not StreamingLLM's sink *tokens*, which are ``sinks=``) and tanh
+  soft-capping (Gemma 2), in every version.
 
 ``EvictingKVCache`` is ``minikv.window.ring.EvictingKVCache`` with single-token decode steps attended by
 those kernels (the slots and the step's own new token, appended as one more slot). Prefill and
@@ -25,7 +28,7 @@ import numpy as np
 from minikv import window as _cpu
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice, check_int
 from minikv.layers import ROPE_LAYOUTS
-from minikv_gpu.runtime import STATIC_SMEM_LIMIT, device_f32, get_runtime, head_dim_defines
+from minikv_gpu.runtime import STATIC_SMEM_LIMIT, device_f32, get_runtime, head_dim_defines, score_options
 from minikv_gpu.versions import DECODE_THREADS, choose_version, decode_defines, decode_refusal
 
 __all__ = ["ROPE_MODES", "WINDOW_VERSIONS", "EvictingKVCache", "Visible", "attend_in_cache", "attend_slots",
@@ -117,19 +120,22 @@ def _refusal(group: int, head_dim: int, want_mass: bool) -> tuple[type, str] | N
 
 
 def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tuple | None = None,
-                  want_mass: bool = False, *, version: int | None = None, runtime=None):
+                  want_mass: bool = False, *, sink_logits=None, softcap: float | None = None,
+                  version: int | None = None, runtime=None):
     """One decode query per sequence over its slots (see the module docstring); device arrays back.
 
     q: [B, Hq, D] float32 (pre-RoPE with ``rope``); k, v: [B, Hkv, C, D] float32 or float16 (pre-RoPE
     keys with ``rope``); pos: [B, Hkv, C] integer (-1 empty); q_pos: [B] integer.
     Returns out [B, Hq, D] float32 (, mass [B, Hkv, C] float32 if ``want_mass``).
     version: 1, 3, 4 (register-resident, no mass) or None (4 where it serves the call, else 1).
+    sink_logits: [Hq] float32 learned sink logits, softcap: a positive cap (module docstring), or None.
     """
     rt = get_runtime(runtime)
     b, hq, hkv, c, d = _check_shapes(q, k, v, pos, q_pos)
     defines = {**head_dim_defines(d), "CACHE_HALF": int(np.dtype(k.dtype) == np.float16)}
     group = hq // hkv
     mode = _check_policy(window, sinks, rope, group, d)
+    options = score_options(rt, hq, sink_logits, softcap)
     ver = choose_version(version, None, _refusal(group, d, want_mass), lambda: 1, WINDOW_VERSIONS)
     qp = _positions(rt, q_pos, "q_pos")
     max_rank = min(int(rt.asnumpy(qp).max(initial=0)), window - 1)
@@ -142,7 +148,7 @@ def window_decode(q, k, v, pos, q_pos, window: int = 0, sinks: int = 0, rope: tu
     if b and c:
         common = (_positions(rt, pos, "pos"), qp, cos, sin, out)
         scalars = (np.int32(hq), np.int32(hkv), np.int32(c), np.int32(window), np.int32(sinks), np.int32(mode),
-                   np.float32(1.0 / np.sqrt(d)))
+                   np.float32(1.0 / np.sqrt(d))) + options
         qd = device_f32(rt, q, "q")
         if ver >= 3:
             kern = rt.kernel("window", f"window_decode_v{ver}", defines=decode_defines(defines, group))
@@ -171,22 +177,24 @@ def _batched(k, v, k_pos, t: int):
     return tuple(np.ascontiguousarray(np.broadcast_to(a, (t,) + a.shape)) for a in (k, v, k_pos))
 
 
-def attend_slots(q, tiles: list, visible, mass_rows=None, *, version: int | None = None, runtime=None):
+def attend_slots(q, tiles: list, visible, mass_rows=None, *, sinks=None, softcap: float | None = None,
+                 version: int | None = None, runtime=None):
     """``minikv.window.ring.attend_slots`` on the GPU: q [T, Hq, D] over tiles of (k [Hkv, K, D], v, k_pos [Hkv, K]).
 
     visible: a ``Visible(policy, q_pos)`` (a window policy's rule, or the causal one of Policy, H2O, SnapKV);
     mass_rows: [T] bool or None, as the reference: then also each tile's mass and seen counts [Hkv, K],
-    summed over the selected queries. Returns out [T, Hq, D] (, masses, seens) on the device.
+    summed over the selected queries; sinks ([Hq] learned sink logits), softcap: as the reference's.
+    Returns out [T, Hq, D] (, masses, seens) on the device.
     """
     if not isinstance(visible, Visible):
         raise ConfigError("the GPU attend_slots reads the visibility rule itself: pass "
                           "minikv_gpu.window.Visible(policy, q_pos) (NumPy's attend_slots takes it too)")
-    window, sinks = _policy_args(visible.policy)
+    window, sink_tokens = _policy_args(visible.policy)
     k, v, pos = (np.concatenate([np.asarray(tile[i]) for tile in tiles], axis=1) for i in range(3))
     t = q.shape[0]
     want = mass_rows is not None
-    res = window_decode(q, *_batched(k, v, pos, t), visible.q_pos, window, sinks, None, want, version=version,
-                        runtime=runtime)
+    res = window_decode(q, *_batched(k, v, pos, t), visible.q_pos, window, sink_tokens, None, want, sink_logits=sinks,
+                        softcap=softcap, version=version, runtime=runtime)
     if not want:
         return res
     rt, rows = get_runtime(runtime), np.asarray(mass_rows, bool)
@@ -238,10 +246,15 @@ class EvictingKVCache(_cpu.EvictingKVCache):
         self.window_args = _policy_args(self.policy)
         self.gpu_steps = 0  # how many attend calls ran on the kernel (tests check the routing)
 
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
+               softcap: float | None = None) -> np.ndarray:
+        """q: [N, Hq, D] -> [N, Hq, D] host float32; sinks ([Hq] learned sink logits) and softcap as the NumPy
+        class's (refused there for in-cache positions, so such a step takes its path)."""
         step = self._require_step()
-        if step.num_tokens != len(step.seq_ids) or layer not in self._stash or self.dtype != np.float32:
-            return super().attend(layer, q)
+        options = sinks is not None or softcap is not None
+        if (step.num_tokens != len(step.seq_ids) or layer not in self._stash or self.dtype != np.float32
+                or (options and self.rotates_in_cache)):
+            return super().attend(layer, q, sinks=sinks, softcap=softcap)
         self._check_layer(layer)
         k_new, v_new, masses = self._stash[layer]
         seqs = [self._seqs[sid] for sid in step.seq_ids]
@@ -255,9 +268,10 @@ class EvictingKVCache(_cpu.EvictingKVCache):
             k[i, :, -1], v[i, :, -1], pos[i, :, -1] = k_new[i], v_new[i], step.positions[i]
         rows = [self.policy.mass_queries(int(step.past[i]), 1) for i in range(len(seqs))]
         want = any(r is not None and r.any() for r in rows)
-        window, sinks = self.window_args
-        res = window_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, pos, step.positions, window, sinks,
-                            self.rope if self.rotates_in_cache else None, want, runtime=self.rt)
+        window, sink_tokens = self.window_args
+        res = window_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, pos, step.positions, window, sink_tokens,
+                            self.rope if self.rotates_in_cache else None, want, sink_logits=sinks, softcap=softcap,
+                            runtime=self.rt)
         self.gpu_steps += 1
         out = self.rt.asnumpy(res[0] if want else res)
         if want:

@@ -85,11 +85,14 @@ extern "C" __global__ void causal_softmax_v0(const float* x, float* out, int n_r
 // online_softmax::update folds the tile into the warp's state (m, l, acc); lane c owns output
 // dims c, c+32, ... Keys beyond a row's limit score -inf; keys beyond the block's last row's
 // limit are never loaded (stale memory may be NaN).
+//   options: sinks [Hq] float32 learned sink logits (read iff use_sinks; one block holds a whole row, so
+//            it starts from its sink), softcap > 0 caps each scaled score (online_softmax.cuh)
 // ---------------------------------------------------------------------------
 extern "C" __global__ void causal_attention_v1(const float* __restrict__ q, const float* __restrict__ k,
                                                const float* __restrict__ v, float* __restrict__ out,
                                                int n_heads, int n_kv_heads, int T, int S, int causal,
-                                               float scale) {
+                                               float scale, const float* __restrict__ sinks, int use_sinks,
+                                               float softcap) {
     __shared__ float q_s[ROWS_PER_BLOCK][HEAD_DIM];
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // +1: conflict-free column reads
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
@@ -107,7 +110,7 @@ extern "C" __global__ void causal_attention_v1(const float* __restrict__ q, cons
     for (int d = lane; d < HEAD_DIM; d += 32) q_s[warp][d] = row_ok ? q[q_row + d] : 0.0f;
 
     DenseRows rows{row_offset((long long)b * n_kv_heads + kv_head, S, 0)};
-    online_softmax::State st = online_softmax::start();
-    attend_tiles(k, v, rows, 0, block_limit, row_limit, q_s[warp], k_s, v_s, scale, st);
+    online_softmax::State st = online_softmax::start(online_softmax::Options{sinks, use_sinks, softcap}, head, true);
+    attend_tiles(k, v, rows, 0, block_limit, row_limit, q_s[warp], k_s, v_s, scale, st, softcap);
     if (row_ok) online_softmax::finish(st, out + q_row);
 }

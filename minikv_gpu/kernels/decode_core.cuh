@@ -27,6 +27,10 @@
 // are the same numbers in either unit, and partials are written with m in natural-log units (m2 * ln 2),
 // as attention_reduce_v2 merges them with expf(m_i - m). A subgroup that has seen no key keeps m = -inf
 // and every exp2f shifts by 0 there, never -inf - -inf.
+//
+// Options (online_softmax.cuh's, through decode::run): a soft cap applies to each score in log2 units,
+// cap2 = cap * log2 e (cap2 * tanh(s2 / cap2) = log2 e * cap * tanh(s / cap)), before the max; learned
+// sinks join in finish, once per row, in the block of split 0 only (a state m = sink, l = 1, acc = 0).
 
 #pragma once
 
@@ -209,13 +213,16 @@ __device__ __forceinline__ void score_keys(const float (&q)[G][DIMS], const floa
 
 // Fold U scores per query head into s; sc[u*G+g] becomes p = exp2(s - m'). SKIP (v4): the rescale of l
 // and acc by exp2(m - m') = 1 is skipped where no running max moved (most keys, once a max is found).
+// cap2 > 0: each score is soft-capped first, before the max (online_softmax.cuh's soft_cap in log2 units:
+// log2e * cap * tanh(s / cap) = cap2 * tanh(s2 / cap2) with cap2 = cap * log2e); cap2 is block-uniform.
 template <int DIMS, int U, bool SKIP>
-__device__ __forceinline__ void softmax_update(State<DIMS>& s, float (&sc)[U * G], const bool (&ok)[U]) {
+__device__ __forceinline__ void softmax_update(State<DIMS>& s, float (&sc)[U * G], const bool (&ok)[U], float cap2) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float mx = s.m[g];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            if (cap2 > 0.0f) sc[u * G + g] = cap2 * tanhf(sc[u * G + g] / cap2);
             if (!ok[u]) sc[u * G + g] = -CUDART_INF_F;  // masked: probability exactly 0
             mx = fmaxf(mx, sc[u * G + g]);
         }
@@ -239,7 +246,7 @@ __device__ __forceinline__ void softmax_update(State<DIMS>& s, float (&sc)[U * G
 // and p = 0, so they add exactly 0; a stale NaN slot is never loaded).
 template <int LANES, bool V4, class P, int U>
 __device__ __forceinline__ void consume(const P& pol, const typename P::Raw (&raw)[U], int d0,
-                                        const float (&q)[G][P::DIMS], State<P::DIMS>& s) {
+                                        const float (&q)[G][P::DIMS], State<P::DIMS>& s, float cap2) {
     constexpr int DIMS = P::DIMS;
     float sc[U * G];
     bool ok[U];
@@ -252,7 +259,7 @@ __device__ __forceinline__ void consume(const P& pol, const typename P::Raw (&ra
     }
     if constexpr (V4) transposed_sum<LANES / 2, U * G>(sc, threadIdx.x & 31);
     else butterfly_sum<LANES, U * G>(sc);
-    softmax_update<DIMS, U, V4>(s, sc, ok);
+    softmax_update<DIMS, U, V4>(s, sc, ok, cap2);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         float vf[DIMS];
@@ -279,16 +286,18 @@ __device__ __forceinline__ void merge_into(State<DIMS>& s, int g, float mo, floa
 }
 
 // Where the block's results go: out rows (n_splits == 1, normalized) or split partials.
-struct Sink {
+struct Dest {
     float *out, *part_m, *part_l, *part_acc;
     long long row0;  // (n, h*G): the row of query head g is row0 + g, in [N, Hq]
     int z, n_splits;
 };
 
 // Merge the block's subgroups (LANES lanes of DIMS dims each) and write them (one __syncthreads; all
-// threads call it).
+// threads call it). sinks: the G query heads' learned sink logits (natural-log units, as given), merged here
+// once as one more state (m = sink, l = 1, acc = 0: online_softmax.cuh's start(sink)); nullptr when there are
+// none, or in a split other than the one that carries them.
 template <int DIMS>
-__device__ __forceinline__ void finish(State<DIMS>& s, const Sink& sink) {
+__device__ __forceinline__ void finish(State<DIMS>& s, const Dest& dest, const float* sinks) {
     constexpr int LANES = HEAD_DIM / DIMS;
     __shared__ float s_m[WARPS][G], s_l[WARPS][G];
     __shared__ __align__(16) float s_acc[WARPS][G][HEAD_DIM];
@@ -319,25 +328,26 @@ __device__ __forceinline__ void finish(State<DIMS>& s, const Sink& sink) {
     __syncthreads();
     for (int i = threadIdx.x; i < G * HEAD_DIM; i += THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        float mm = -CUDART_INF_F;
+        const float sink2 = sinks != nullptr ? sinks[g] * LOG2E : -CUDART_INF_F;  // log2 units, as s_m
+        float mm = sink2;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, s_m[w][g]);
-        float l = 0.0f, a = 0.0f;
+        float l = sinks != nullptr ? exp2_shifted(sink2, mm) : 0.0f, a = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float sw = exp2_shifted(s_m[w][g], mm);
             l += sw * s_l[w][g];
             a += sw * s_acc[w][g][d];
         }
-        const long long row = sink.row0 + g;
-        if (sink.n_splits == 1) {
-            sink.out[row * HEAD_DIM + d] = l > 0.0f ? a / l : 0.0f;  // no key seen: zeros, never NaN
+        const long long row = dest.row0 + g;
+        if (dest.n_splits == 1) {
+            dest.out[row * HEAD_DIM + d] = l > 0.0f ? a / l : 0.0f;  // no key seen: zeros, never NaN
         } else {
-            const long long p = row * sink.n_splits + sink.z;
-            sink.part_acc[p * HEAD_DIM + d] = a;
+            const long long p = row * dest.n_splits + dest.z;
+            dest.part_acc[p * HEAD_DIM + d] = a;
             if (d == 0) {
-                sink.part_m[p] = mm * LN2;  // natural-log units, as attention_reduce_v2 reads them
-                sink.part_l[p] = l;
+                dest.part_m[p] = mm * LN2;  // natural-log units, as attention_reduce_v2 reads them
+                dest.part_l[p] = l;
             }
         }
     }

@@ -34,12 +34,13 @@ static_assert(32 % LANES == 0, "decode v3 needs HEAD_DIM a power of two: D/8 lan
 // This lane's first dim.
 __device__ __forceinline__ int dim0() { return ((threadIdx.x & 31) % LANES) * DIMS; }
 
-// Walk keys [k_begin, k_end) of policy `pol` for the group's queries (scaled, this lane's dims) and return
-// this lane's state; then decode::finish(state, sink). The caller returns before calling it if the range is
-// empty (the whole block leaves together).
+// Walk keys [k_begin, k_end) of policy `pol` for the group's queries (scaled, this lane's dims), each score
+// soft-capped at cap2 (log2 units; 0: none; decode::softmax_update), and return this lane's state; then
+// decode::finish(state, dest, sinks). The caller returns before calling it if the range is empty (the whole
+// block leaves together).
 template <class P>
 __device__ __forceinline__ decode::State<DIMS> attend(const P& pol, const float (&q)[decode::G][DIMS], int k_begin,
-                                                      int k_end) {
+                                                      int k_end, float cap2) {
     static_assert(P::DIMS == DIMS, "v3 spreads 8 dims per lane");
     constexpr int U = P::KEYS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -49,7 +50,7 @@ __device__ __forceinline__ decode::State<DIMS> attend(const P& pol, const float 
         typename P::Raw raw[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) pol.load(base + u * SUBGROUPS + sub, k_end, 0, 0, d0, raw[u]);
-        decode::consume<LANES, false>(pol, raw, d0, q, s);
+        decode::consume<LANES, false>(pol, raw, d0, q, s, cap2);
     }
     return s;
 }

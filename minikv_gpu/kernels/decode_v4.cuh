@@ -53,11 +53,12 @@ __device__ __forceinline__ int dim0() {
     return ((threadIdx.x & 31) % LANES) * P::DIMS;
 }
 
-// Walk keys [k_begin, k_end) of policy `pol` for the group's queries (scaled, this lane's dims) and return
-// this lane's state; then decode::finish(state, sink). The caller returns first if the range is empty.
+// Walk keys [k_begin, k_end) of policy `pol` for the group's queries (scaled, this lane's dims), each score
+// soft-capped at cap2 (log2 units; 0: none; decode::softmax_update), and return this lane's state; then
+// decode::finish(state, dest, sinks). The caller returns first if the range is empty.
 template <class P>
 __device__ __forceinline__ decode::State<P::DIMS> attend(const P& pol, const float (&q)[decode::G][P::DIMS],
-                                                         int k_begin, int k_end) {
+                                                         int k_begin, int k_end, float cap2) {
     constexpr int DIMS = P::DIMS, LANES = HEAD_DIM / DIMS, SPW = 32 / LANES, U = P::KEYS, KW = SPW * U;
     constexpr int PER_ITER = decode::WARPS * KW;
     static_assert(32 % LANES == 0 && KW <= 32, "a warp's keys of one iteration must fit its 32 lanes");
@@ -73,7 +74,7 @@ __device__ __forceinline__ decode::State<P::DIMS> attend(const P& pol, const flo
         w0 += PER_ITER;
         load_keys(pol, w0, k_end, ahead, j, d0, nxt);  // past k_end: masked, no memory traffic
         ahead = pol.ahead(w0 + PER_ITER, k_end);
-        decode::consume<LANES, true>(pol, cur, d0, q, s);
+        decode::consume<LANES, true>(pol, cur, d0, q, s, cap2);
 #pragma unroll
         for (int u = 0; u < U; ++u) cur[u] = nxt[u];
     }

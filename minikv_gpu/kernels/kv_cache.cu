@@ -14,8 +14,7 @@
 // register-resident, bandwidth-bound decode kernel of decode_v3.cuh):
 //   cache_write_v1          append the step's new K/V rows
 //   decode_attention_v1     attention of the step's queries over the cache, one block per
-//                           (token, KV head) (RoPE and the cache write are separate launches);
-//                           v1 and v2 take learned sinks and soft-capping as options (gpt-oss, Gemma 2)
+//                           (token, KV head) (RoPE and the cache write are separate launches)
 //   decode_attention_v2     the same, split-K: block (token, KV head, split) attends one key
 //                           range and writes a partial; attention_reduce_v2 merges them
 //   rope_write_attend_v1    fused, for decode steps (one new token per sequence): RoPE on q
@@ -29,6 +28,12 @@
 //   attention_reduce_v2     split_k.cuh's, shared with paged.cu: merges split partials
 // The key loop is attend_tiles.cuh's and the softmax online_softmax.cuh's, as in attention.cu
 // and paged.cu.
+//
+// Every attention kernel here (decode v1-v4, fused v1/v2) takes online_softmax.cuh's two options as its
+// last three arguments (sinks, use_sinks, softcap): learned sinks (gpt-oss) and tanh soft-capping
+// (Gemma 2). v1/v2 start split 0's rows from the sink and cap each score in attend_tiles; v3/v4 cap in
+// decode::softmax_update (log2 units) and merge the sink in decode::finish of split 0's block. Either
+// way a split-K reduce counts each sink once.
 //
 // Version log (llm.c style):
 //   v1  one block per (token, KV head), the G query heads of the GQA group one warp each, so each
@@ -61,6 +66,13 @@
 //       by the model; v4 issues 522-622 instructions per warp-iteration of 8 keys against v3's 691).
 //       ptxas: decode_attention_v4 66-112 registers at G=1, 101-219 at G=3, 120-245 at G=4, 196-244 at G=8;
 //       0 spills. Measured: waits for a GPU.
+//   options (issue 23): learned sinks and soft-capping reached v3/v4 and the fused kernels (before: v1/v2
+//       only, and kv_cache.py refused them elsewhere). The cap is a uniform branch per score in the key loop;
+//       the sink one more term in finish's cross-warp merge. ptxas (nvcc 13.0, sm_80/sm_90, every define set
+//       above) against the committed nvcc_report.json: decode_attention_v3 68-252 registers (was 64-253; one
+//       set +25), v4 68-250 (was 66-245), v1 32-40, v2 32-44, rope_write_attend_v1 39-44, _v2 39-44 (+5 at
+//       most); paged.cu's v3 71-255 (was 69-246), v4 71-255; 0 spills and no stack frame anywhere. Time:
+//       waits for a GPU (the cap's tanhf per score is the cost to watch on a decode step that uses it).
 //   Measured: no GPU has run these kernels yet. ptxas (benchmarks/results/nvcc_report.json, nvcc
 //   13.0, D=64/128, fp32/fp16 caches, sm_80/sm_90), registers: cache_write_v1 30,
 //   decode_attention_v1 32-40 and v2 32-40 (before the shared core: 31-40 and, for the old fused
@@ -136,23 +148,16 @@ struct RopeWrite {
 __device__ __forceinline__ void rope_and_write(const CacheBlock& c, const RopeWrite& f, int p_n, int n_kv_heads,
                                                float* q_s);
 
-// The score options of decode_attention_v1/v2: sinks[Hq] when use_sinks (the split z = 0 starts
-// from them, so a merge counts each once), softcap > 0 to cap. The fused kernels pass none.
-struct ScoreOptions {
-    const float* sinks;
-    int use_sinks;
-    float softcap;
-};
-
 // The body of every attention kernel here, block (n, h, z): the group's G queries into shared
 // memory (copied from q, or rotated by the fused prologue, which also appends the new K/V row),
 // attention over the block's key range, and each warp's result written normalized into out (v1)
-// or as split partial (n, h*G + warp, z) (v2, part_m != nullptr).
+// or as split partial (n, h*G + warp, z) (v2, part_m != nullptr). opt: the learned sinks (split 0
+// starts from them, so the reduce's merge counts each once) and the soft cap (per tile, attend_tiles).
 __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float* q, const RopeWrite& f,
                                                 const cache_t* k_cache, const cache_t* v_cache, const int* pos,
                                                 int n_kv_heads, float scale, float* out, float* part_m,
                                                 float* part_l, float* part_acc, int n_splits,
-                                                ScoreOptions opt = ScoreOptions{nullptr, 0, 0.0f}) {
+                                                const online_softmax::Options& opt) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     extern __shared__ float q_s[];                            // [G][D]
@@ -161,8 +166,7 @@ __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float
     else load_queries(q + c.q_base, q_s, c.group * HEAD_DIM);
     DenseRows rows{c.head_base};
     const long long row = c.q_base / HEAD_DIM + warp;  // (n, h*G + warp)
-    const bool sink = opt.use_sinks && c.z == 0;
-    online_softmax::State s = sink ? online_softmax::start(opt.sinks[c.h * c.group + warp]) : online_softmax::start();
+    online_softmax::State s = online_softmax::start(opt, c.h * c.group + warp, c.z == 0);  // one split: the sink once
     attend_tiles(k_cache, v_cache, rows, c.k_begin, c.k_end, c.k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s,
                  opt.softcap);
     if (part_m == nullptr) online_softmax::finish(s, out + row * HEAD_DIM);
@@ -180,7 +184,8 @@ __device__ __forceinline__ void cache_attention(const CacheBlock& c, const float
 //           dynamic G*D floats for the queries (launch with shared_mem = 4*G*D)
 //   bytes: reads 4*N*Hq*D (q) + 2 * sizeof(CACHE_T) * Hkv*D * sum_n (pos[n]+1) (K and V, each
 //          element once per GQA group, not once per query head), writes 4*N*Hq*D.
-//   options: sinks [Hq] float32 (read when use_sinks), softcap (> 0: cap each scaled score)
+//   options: sinks [Hq] float32 (read when use_sinks), softcap (> 0: cap each scaled score); every
+//            kernel below takes them last, the same way
 // ---------------------------------------------------------------------------
 extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, const cache_t* __restrict__ k_cache,
                                                const cache_t* __restrict__ v_cache, const int* __restrict__ slot,
@@ -189,7 +194,7 @@ extern "C" __global__ void decode_attention_v1(const float* __restrict__ q, cons
                                                const float* __restrict__ sinks, int use_sinks, float softcap) {
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, max_len);
     cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1,
-                    ScoreOptions{sinks, use_sinks, softcap});
+                    online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // ---------------------------------------------------------------------------
@@ -213,7 +218,7 @@ extern "C" __global__ void decode_attention_v2(const float* __restrict__ q, cons
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
     if (c.k_begin >= c.k_end) return;  // this split lies past the sequence's end (whole block leaves)
     cache_attention(c, q, RopeWrite{}, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
-                    n_splits, ScoreOptions{sinks, use_sinks, softcap});
+                    n_splits, online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // The fused prologue (rope_write_attend_v1/v2):
@@ -272,10 +277,12 @@ extern "C" __global__ void rope_write_attend_v1(const float* __restrict__ q_raw,
                                                 const float* __restrict__ sin_t, int half_layout, cache_t* k_cache,
                                                 cache_t* v_cache, const int* __restrict__ slot,
                                                 const int* __restrict__ pos, float* __restrict__ out, int layer,
-                                                int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale) {
+                                                int n_heads, int n_kv_heads, int max_seqs, int max_len, float scale,
+                                                const float* __restrict__ sinks, int use_sinks, float softcap) {
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, max_len);
     const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
-    cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1);
+    cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, out, nullptr, nullptr, nullptr, 1,
+                    online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // ---------------------------------------------------------------------------
@@ -294,12 +301,13 @@ extern "C" __global__ void rope_write_attend_v2(const float* __restrict__ q_raw,
                                                 const int* __restrict__ pos, float* __restrict__ part_m,
                                                 float* __restrict__ part_l, float* __restrict__ part_acc, int layer,
                                                 int n_heads, int n_kv_heads, int max_seqs, int max_len,
-                                                int keys_per_split, int n_splits, float scale) {
+                                                int keys_per_split, int n_splits, float scale,
+                                                const float* __restrict__ sinks, int use_sinks, float softcap) {
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
     if (c.k_begin >= c.k_end) return;
     const RopeWrite f{q_raw, k_raw, v_new, cos_t, sin_t, half_layout, k_cache, v_cache};
     cache_attention(c, nullptr, f, k_cache, v_cache, pos, n_kv_heads, scale, nullptr, part_m, part_l, part_acc,
-                    n_splits);
+                    n_splits, online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // The key policy of a contiguous history (decode_core.cuh): key j of (slot, head) is row base + j*D.
@@ -316,15 +324,15 @@ struct DenseKeys : decode::PlainRows<DIMS, KEYS> {
 // Block (n, h, z) of decode_attention_v3/v4: the group's queries over its key range with loop V.
 template <int V, int DIMS, int KEYS>
 __device__ __forceinline__ void dense_decode(const float* q, const cache_t* k_cache, const cache_t* v_cache,
-                                             const int* slot, const int* pos, const decode::Sink& sink, int layer,
+                                             const int* slot, const int* pos, const decode::Dest& dest, int layer,
                                              int n_heads, int n_kv_heads, int max_seqs, int max_len,
-                                             int keys_per_split, float scale) {
+                                             int keys_per_split, float scale, const online_softmax::Options& opt) {
     if (n_heads != GQA_GROUP * n_kv_heads) __trap();  // compiled for another group size: a launcher bug
     const CacheBlock c = cache_block(slot, pos, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split);
     if (c.k_begin >= c.k_end) return;  // the whole block leaves together, before the one barrier
     DenseKeys<DIMS, KEYS> pol;
     pol.k = k_cache, pol.v = v_cache, pol.base = c.head_base;
-    decode::run<V>(pol, q + c.q_base, scale, c.k_begin, c.k_end, sink);
+    decode::run<V>(pol, q + c.q_base, scale, c.k_begin, c.k_end, dest, opt, c.h * GQA_GROUP);
 }
 
 // The parameters of decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
@@ -332,12 +340,14 @@ __device__ __forceinline__ void dense_decode(const float* q, const cache_t* k_ca
     const float *__restrict__ q, const cache_t *__restrict__ k_cache, const cache_t *__restrict__ v_cache,          \
         const int *__restrict__ slot, const int *__restrict__ pos, float *__restrict__ out,                          \
         float *__restrict__ part_m, float *__restrict__ part_l, float *__restrict__ part_acc, int layer, int n_heads, \
-        int n_kv_heads, int max_seqs, int max_len, int keys_per_split, int n_splits, float scale
-#define DENSE_DECODE_SINK \
-    decode::Sink{out, part_m, part_l, part_acc, (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, \
+        int n_kv_heads, int max_seqs, int max_len, int keys_per_split, int n_splits, float scale,                   \
+        const float *__restrict__ sinks, int use_sinks, float softcap
+#define DENSE_DECODE_DEST \
+    decode::Dest{out, part_m, part_l, part_acc, (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, \
                  (int)blockIdx.z, n_splits}
 #define DENSE_DECODE_ARGS \
-    q, k_cache, v_cache, slot, pos, DENSE_DECODE_SINK, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split, scale
+    q, k_cache, v_cache, slot, pos, DENSE_DECODE_DEST, layer, n_heads, n_kv_heads, max_seqs, max_len, keys_per_split, \
+        scale, online_softmax::Options{sinks, use_sinks, softcap}
 
 // ---------------------------------------------------------------------------
 // decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z) attends

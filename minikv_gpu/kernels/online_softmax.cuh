@@ -62,6 +62,20 @@ __device__ __forceinline__ float soft_cap(float score, float cap) {
     return (cap > 0.0f && score != -CUDART_INF_F) ? cap * tanhf(score / cap) : score;
 }
 
+// The two options as kernels take them: sinks[Hq] when use_sinks (one logit per query head), softcap > 0
+// to cap. A kernel that splits a row's keys starts exactly one split from the sink (or adds it at the merge).
+struct Options {
+    const float* sinks;
+    int use_sinks;
+    float softcap;
+};
+
+// Where query head `head`'s row starts: from its sink in the one split that carries it (carries_sink), else
+// empty.
+__device__ __forceinline__ State start(const Options& opt, int head, bool carries_sink) {
+    return opt.use_sinks && carries_sink ? start(opt.sinks[head]) : start();
+}
+
 // Fold one tile of keys into s. Warp-collective (all 32 lanes call it with the same s.m):
 // score is this lane's key's scaled score, -inf where masked; values: [KEY_TILE][HEAD_DIM] floats.
 __device__ __forceinline__ void update(State& s, float score, const float (*values)[HEAD_DIM]) {

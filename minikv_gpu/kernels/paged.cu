@@ -25,7 +25,9 @@
 //                               loads in flight during this one's math (decode_v4.cuh)
 //   copy_blocks                 copies whole blocks, all layers, K and V (copy-on-write, swap)
 // The key loop is attend_tiles.cuh's (with PagedRows, below) and the softmax online_softmax.cuh's,
-// as in attention.cu and kv_cache.cu.
+// as in attention.cu and kv_cache.cu. Every attention kernel here takes online_softmax.cuh's options last
+// (sinks [Hq], use_sinks, softcap), as kv_cache.cu's do: learned sinks (partition 0 carries them, so the
+// reduce counts each once) and tanh soft-capping of each score before the max.
 //
 // Version log (llm.c style):
 //   v1  one block per (token, KV head), the GQA group's G query heads one warp each: a group's
@@ -142,11 +144,12 @@ struct PagedRows {
 // Block (n, h, z) of v1 or v2: attend the G queries of token n, KV head h, over keys
 // [k_begin, k_end) and write each warp's result, normalized into out (v1, part_m == nullptr)
 // or as split partial (n, h*G + warp, z) (v2). The caller has returned if the range is empty.
+// opt: learned sinks (partition 0 starts from them: the reduce counts each once) and the soft cap.
 __device__ __forceinline__ void paged_block(const float* q, const cache_t* k_pool, const cache_t* v_pool,
                                             const int* block_tables, const int* token_seq, int n_heads,
                                             int n_kv_heads, int block_size, int max_blocks, int k_begin,
                                             int k_end, float scale, float* out, float* part_m, float* part_l,
-                                            float* part_acc, int n_partitions) {
+                                            float* part_acc, int n_partitions, const online_softmax::Options& opt) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];  // float4 stores: 16-byte aligned rows
     __shared__ long long row_s[KEY_TILE];                     // element offset of each key's row
@@ -155,8 +158,9 @@ __device__ __forceinline__ void paged_block(const float* q, const cache_t* k_poo
     const long long row = (long long)n * n_heads + (long long)h * group + warp;  // (n, h*G + warp)
     load_queries(q + (row - warp) * HEAD_DIM, q_s, group * HEAD_DIM);  // attend_tiles' first barrier orders it
     PagedRows rows{block_tables + (long long)token_seq[n] * max_blocks, block_size, n_kv_heads, h, 0, row_s};
-    online_softmax::State s = online_softmax::start();
-    attend_tiles(k_pool, v_pool, rows, k_begin, k_end, k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s);
+    online_softmax::State s = online_softmax::start(opt, h * group + warp, blockIdx.z == 0);
+    attend_tiles(k_pool, v_pool, rows, k_begin, k_end, k_end, q_s + warp * HEAD_DIM, k_s, v_s, scale, s,
+                 opt.softcap);
     if (part_m == nullptr) online_softmax::finish(s, out + row * HEAD_DIM);
     else write_partial(s, part_m, part_l, part_acc, row * n_partitions + blockIdx.z);
 }
@@ -183,9 +187,11 @@ extern "C" __global__ void paged_decode_attention_v1(const float* __restrict__ q
                                                      const int* __restrict__ token_seq,
                                                      const int* __restrict__ token_pos, float* __restrict__ out,
                                                      int n_heads, int n_kv_heads, int block_size, int max_blocks,
-                                                     float scale) {
+                                                     float scale, const float* __restrict__ sinks, int use_sinks,
+                                                     float softcap) {
     paged_block(q, k_pool, v_pool, block_tables, token_seq, n_heads, n_kv_heads, block_size, max_blocks, 0,
-                token_pos[blockIdx.x] + 1, scale, out, nullptr, nullptr, nullptr, 1);
+                token_pos[blockIdx.x] + 1, scale, out, nullptr, nullptr, nullptr, 1,
+                online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // ---------------------------------------------------------------------------
@@ -208,12 +214,14 @@ extern "C" __global__ void paged_decode_attention_v2(const float* __restrict__ q
                                                      const int* __restrict__ token_pos, float* __restrict__ part_m,
                                                      float* __restrict__ part_l, float* __restrict__ part_acc,
                                                      int n_heads, int n_kv_heads, int block_size, int max_blocks,
-                                                     int partition_size, int n_partitions, float scale) {
+                                                     int partition_size, int n_partitions, float scale,
+                                                     const float* __restrict__ sinks, int use_sinks, float softcap) {
     const int k_begin = blockIdx.z * partition_size;
     const int k_end = min(token_pos[blockIdx.x] + 1, k_begin + partition_size);
     if (k_begin >= k_end) return;  // the whole block leaves together, before any barrier
     paged_block(q, k_pool, v_pool, block_tables, token_seq, n_heads, n_kv_heads, block_size, max_blocks, k_begin,
-                k_end, scale, nullptr, part_m, part_l, part_acc, n_partitions);
+                k_end, scale, nullptr, part_m, part_l, part_acc, n_partitions,
+                online_softmax::Options{sinks, use_sinks, softcap});
 }
 
 // ---------------------------------------------------------------------------
@@ -279,8 +287,9 @@ struct PagedKeys : decode::PlainRows<DIMS, KEYS> {
 template <int V, int DIMS, int KEYS, int DIV>
 __device__ __forceinline__ void paged_decode(const float* q, const cache_t* k_pool, const cache_t* v_pool,
                                              const int* block_tables, const int* token_seq, const int* token_pos,
-                                             const decode::Sink& sink, int n_heads, int n_kv_heads,
-                                             int block_size, int max_blocks, int keys_per_split, float scale) {
+                                             const decode::Dest& dest, int n_heads, int n_kv_heads,
+                                             int block_size, int max_blocks, int keys_per_split, float scale,
+                                             const online_softmax::Options& opt) {
     if (n_heads != GQA_GROUP * n_kv_heads || (DIV > 0 && block_size != DIV)) __trap();  // a launcher bug
     const int n = blockIdx.x, h = blockIdx.y;
     const int k_begin = blockIdx.z * keys_per_split;
@@ -290,7 +299,7 @@ __device__ __forceinline__ void paged_decode(const float* q, const cache_t* k_po
     pol.k = k_pool, pol.v = v_pool;
     pol.table = {block_tables + (long long)token_seq[n] * max_blocks, block_size, (k_end - 1) / block_size + 1};
     pol.slot_stride = (long long)n_kv_heads * HEAD_DIM, pol.head_offset = (long long)h * HEAD_DIM;
-    decode::run<V>(pol, q + sink.row0 * HEAD_DIM, scale, k_begin, k_end, sink);
+    decode::run<V>(pol, q + dest.row0 * HEAD_DIM, scale, k_begin, k_end, dest, opt, h * GQA_GROUP);
 }
 
 // The parameters of paged_decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
@@ -299,12 +308,14 @@ __device__ __forceinline__ void paged_decode(const float* q, const cache_t* k_po
         const int *__restrict__ block_tables, const int *__restrict__ token_seq,                                   \
         const int *__restrict__ token_pos, float *__restrict__ out, float *__restrict__ part_m,                    \
         float *__restrict__ part_l, float *__restrict__ part_acc, int n_heads, int n_kv_heads, int block_size,     \
-        int max_blocks, int keys_per_split, int n_splits, float scale
+        int max_blocks, int keys_per_split, int n_splits, float scale, const float *__restrict__ sinks,           \
+        int use_sinks, float softcap
 #define PAGED_DECODE_ARGS                                                                                          \
     q, k_pool, v_pool, block_tables, token_seq, token_pos,                                                          \
-        decode::Sink{out, part_m, part_l, part_acc,                                                                \
+        decode::Dest{out, part_m, part_l, part_acc,                                                                \
                      (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, (int)blockIdx.z, n_splits}, \
-        n_heads, n_kv_heads, block_size, max_blocks, keys_per_split, scale
+        n_heads, n_kv_heads, block_size, max_blocks, keys_per_split, scale,                                      \
+        online_softmax::Options{sinks, use_sinks, softcap}
 
 // ---------------------------------------------------------------------------
 // paged_decode_attention_v3 (register-resident, bandwidth-bound; decode_v3.cuh): block (n, h, z)

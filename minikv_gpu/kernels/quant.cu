@@ -403,7 +403,7 @@ template <int V, int DIMS, int KEYS, int DIV>
 __device__ __forceinline__ void quant_decode(const float* q, const cache_t* k_res, const cache_t* v_res,
                                              const unsigned char* k_codes, const unsigned char* v_codes,
                                              const int* block_tables, const int* token_seq, const int* token_pos,
-                                             const decode::Sink& sink, int n_heads, int n_kv_heads,
+                                             const decode::Dest& dest, int n_heads, int n_kv_heads,
                                              int block_size, int max_blocks, int keys_per_split, float scale) {
     if (n_heads != GQA_GROUP * n_kv_heads || (DIV > 0 && block_size != DIV)) __trap();  // a launcher bug
     const int n = blockIdx.x, ctx = token_pos[n] + 1;
@@ -413,7 +413,7 @@ __device__ __forceinline__ void quant_decode(const float* q, const cache_t* k_re
     pol.table = {block_tables + (long long)token_seq[n] * max_blocks, block_size, (k_end - 1) / block_size + 1};
     pol.k_res = k_res, pol.v_res = v_res, pol.k_codes = k_codes, pol.v_codes = v_codes;
     pol.n_kv_heads = n_kv_heads, pol.h = blockIdx.y, pol.ctx = ctx;
-    decode::run<V>(pol, q + sink.row0 * HEAD_DIM, scale, k_begin, k_end, sink);
+    decode::run<V>(pol, q + dest.row0 * HEAD_DIM, scale, k_begin, k_end, dest);
 }
 
 // The parameters of quant_decode_attention_v3 and _v4 (one list, so that the two kernels cannot drift apart).
@@ -426,7 +426,7 @@ __device__ __forceinline__ void quant_decode(const float* q, const cache_t* k_re
         int keys_per_split, int n_splits, float scale
 #define QUANT_DECODE_ARGS                                                                                           \
     q, k_res, v_res, k_codes, v_codes, block_tables, token_seq, token_pos,                                          \
-        decode::Sink{out, part_m, part_l, part_acc,                                                                 \
+        decode::Dest{out, part_m, part_l, part_acc,                                                                 \
                      (long long)blockIdx.x * n_heads + (long long)blockIdx.y * GQA_GROUP, (int)blockIdx.z, n_splits}, \
         n_heads, n_kv_heads, block_size, max_blocks, keys_per_split, scale
 

@@ -64,6 +64,10 @@
 //       costs bytes in flight at G = 4. ptxas: 112-128 registers at G=1, 128 at G=4, 241-255 at G=8;
 //       0 spills. Measured: waits for a GPU (the first run decides between v3 and v4 here).
 //
+// Options (every version, last arguments): online_softmax.cuh's learned sink logits (sink_logits [Hq],
+// use_sink_logits; gpt-oss; one block holds a whole row, so it starts from the sink) and softcap (Gemma 2).
+// Not to be confused with `sinks`, StreamingLLM's count of always-visible sink *tokens*.
+//
 // nvcc-check: HEAD_DIM=64,128 CACHE_HALF=0,1 GQA_GROUP=1,3,4,8
 
 #include "common.cuh"
@@ -138,15 +142,16 @@ __device__ __forceinline__ void load_tile(const cache_t* k, const cache_t* v, in
     __syncthreads();
 }
 
-// This lane's scaled score against tile slot `lane` (-inf where invisible); q_row in shared memory.
+// This lane's scaled score against tile slot `lane` (-inf where invisible), soft-capped when softcap > 0;
+// q_row in shared memory.
 __device__ __forceinline__ float score_of(const float* q_row, const float (*k_s)[HEAD_DIM + 1], const int* rank_s,
-                                          float scale) {
+                                          float scale, float softcap) {
     const int lane = threadIdx.x & 31;
     if (rank_s[lane] < 0) return -CUDART_INF_F;
     float dot = 0.0f;
 #pragma unroll 8
     for (int d = 0; d < HEAD_DIM; ++d) dot += q_row[d] * k_s[lane][d];
-    return dot * scale;
+    return online_softmax::soft_cap(dot * scale, softcap);
 }
 
 }  // namespace window
@@ -158,6 +163,9 @@ __device__ __forceinline__ float score_of(const float* q_row, const float (*k_s)
 //   k, v:   [B, Hkv, C, D] CACHE_T slots                           pos: [B, Hkv, C] int32 (-1 empty)
 //   q_pos:  [B] int32        cos_t, sin_t: [P, D/2] float32 (read iff rope_mode != 0; P > max rank)
 //   mass:   [B, Hkv, C] float32, written iff want_mass (see the header)
+//   options: sink_logits [Hq] float32 (learned sinks, read iff use_sink_logits; not the StreamingLLM sink
+//          *tokens* `sinks`), softcap > 0 caps each scaled score (online_softmax.cuh); the mass is each
+//          key's probability under the same softmax (the sink in its denominator)
 //   grid  = (B, Hkv), block = (32*G): warp g owns query head h*G + g; dynamic shared G*D floats
 //   bytes: reads 4*C per (b, h) of positions and 2*C_vis*D*sizeof(CACHE_T) of K/V (the visible
 //          slots only; + C_vis*D*sizeof(CACHE_T) again with mass), 4*G*D of queries (+ 2*4*D/2 per
@@ -168,8 +176,9 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
                                             const int* __restrict__ q_pos, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, float* __restrict__ out,
                                             float* __restrict__ mass, int want_mass, int n_heads, int n_kv_heads,
-                                            int n_slots,
-                                            int window_size, int sinks, int rope_mode, float scale) {
+                                            int n_slots, int window_size, int sinks, int rope_mode, float scale,
+                                            const float* __restrict__ sink_logits, int use_sink_logits,
+                                            float softcap) {
     __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];            // +1 float per row: lane j reads row j bank-free
     __shared__ __align__(16) float v_s[KEY_TILE][HEAD_DIM];
     __shared__ int rank_s[KEY_TILE];
@@ -191,13 +200,14 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
             window::rotate_pair(q_s + (i / (HEAD_DIM / 2)) * HEAD_DIM, i % (HEAD_DIM / 2), cos_t, sin_t, r, rope_mode);
     }
     const float* q_row = q_s + warp * HEAD_DIM;
-    online_softmax::State s = online_softmax::start();
+    const online_softmax::Options opt{sink_logits, use_sink_logits, softcap};
+    online_softmax::State s = online_softmax::start(opt, h * group + warp, true);  // one block: the sink once
     for (int k0 = 0; k0 < n_slots; k0 += KEY_TILE) {
         __syncthreads();  // everyone is done with the previous tile (and the queries are written)
         window::tile_ranks(pos_head, k0, qp, a, rank_s);
         __syncthreads();
         window::load_tile(k_head, v_head, k0, rank_s, a, cos_t, sin_t, k_s, v_s);
-        online_softmax::update(s, window::score_of(q_row, k_s, rank_s, scale), v_s);
+        online_softmax::update(s, window::score_of(q_row, k_s, rank_s, scale, softcap), v_s);
     }
     online_softmax::finish(s, out + row_offset(b, n_heads, (long long)h * group + warp));
     if (!want_mass) return;  // block-uniform
@@ -207,7 +217,7 @@ extern "C" __global__ void window_decode_v1(const float* __restrict__ q, const c
         window::tile_ranks(pos_head, k0, qp, a, rank_s);
         __syncthreads();
         window::load_tile(k_head, v_head, k0, rank_s, a, cos_t, sin_t, k_s, nullptr);
-        const float sc = window::score_of(q_row, k_s, rank_s, scale);
+        const float sc = window::score_of(q_row, k_s, rank_s, scale, softcap);
         p_s[warp][lane] = sc == -CUDART_INF_F ? 0.0f : expf(sc - s.m) * inv_l;
         __syncthreads();
         if (threadIdx.x < KEY_TILE && k0 + threadIdx.x < n_slots) {
@@ -313,7 +323,7 @@ constexpr int V4_KEYS = (decode::G == 1 || decode::G > 4 || (decode::G < 4 && CA
 template <int V, int KEYS>
 __device__ __forceinline__ void window_decode(const float* q, const cache_t* k, const cache_t* v, const int* pos,
                                               const int* q_pos, const float* cos_t, const float* sin_t, float* out,
-                                              const window::Args& a) {
+                                              const window::Args& a, const online_softmax::Options& opt) {
     if (a.n_heads != GQA_GROUP * a.n_kv_heads) __trap();  // compiled for another group size: a launcher bug
     const long long head = (long long)blockIdx.x * a.n_kv_heads + blockIdx.y;
     window::SlotKeys<VEC, KEYS, !!(V == 4)> pol;
@@ -321,8 +331,8 @@ __device__ __forceinline__ void window_decode(const float* q, const cache_t* k, 
     pol.pos = {pos + head * a.n_slots, 1, a.n_slots};
     pol.cos_t = cos_t, pol.sin_t = sin_t, pol.a = a, pol.qp = q_pos[blockIdx.x];
     const long long row0 = (long long)blockIdx.x * a.n_heads + (long long)blockIdx.y * GQA_GROUP;
-    decode::run<V>(pol, q + row0 * HEAD_DIM, a.scale, 0, a.n_slots, decode::Sink{out, nullptr, nullptr, nullptr,
-                                                                                   row0, 0, 1});
+    const decode::Dest dest{out, nullptr, nullptr, nullptr, row0, 0, 1};
+    decode::run<V>(pol, q + row0 * HEAD_DIM, a.scale, 0, a.n_slots, dest, opt, blockIdx.y * GQA_GROUP);
 }
 
 // The parameters of window_decode_v3 and _v4 (one list, so that the two kernels cannot drift apart).
@@ -330,14 +340,17 @@ __device__ __forceinline__ void window_decode(const float* q, const cache_t* k, 
     const float *__restrict__ q, const cache_t *__restrict__ k, const cache_t *__restrict__ v,                     \
         const int *__restrict__ pos, const int *__restrict__ q_pos, const float *__restrict__ cos_t,                \
         const float *__restrict__ sin_t, float *__restrict__ out, int n_heads, int n_kv_heads, int n_slots,        \
-        int window_size, int sinks, int rope_mode, float scale
-#define WINDOW_DECODE_ARGS \
-    q, k, v, pos, q_pos, cos_t, sin_t, out, window::Args{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale}
+        int window_size, int sinks, int rope_mode, float scale, const float *__restrict__ sink_logits,             \
+        int use_sink_logits, float softcap
+#define WINDOW_DECODE_ARGS                                                                              \
+    q, k, v, pos, q_pos, cos_t, sin_t, out,                                                             \
+        window::Args{n_heads, n_kv_heads, n_slots, window_size, sinks, rope_mode, scale},               \
+        online_softmax::Options{sink_logits, use_sink_logits, softcap}
 
 // ---------------------------------------------------------------------------
 // window_decode_v3: window_decode_v1's attention (no mass), register-resident (decode_v3.cuh).
 //
-//   arguments as window_decode_v1 without mass/want_mass; GQA_GROUP = G at compile time
+//   arguments as window_decode_v1 without mass/want_mass (the options included); GQA_GROUP = G at compile time
 //   grid  = (B, Hkv), block = (128): subgroups of D/8 lanes take keys sub, sub + SUBGROUPS, ...
 //   bytes: reads 4*C per (b, h) of positions, 2*C_vis*D*sizeof(CACHE_T) of K/V, 4*G*D of queries
 //          (+ 2*4*8 of tables per lane and rotated key); writes 4*G*D per (b, h)
