@@ -1,5 +1,6 @@
 """The thin products of a few-token pass equal the plain ones: minikv.layers.linear (shapes, tails, dtypes) and
-the attention scores of minikv.online_softmax.tile_scores (both orientations, masked at the diagonal)."""
+the attention scores of minikv.online_softmax.tile_scores (both orientations, masked at the diagonal), and
+paged attention over blocks that the queries of one sequence load once."""
 
 import numpy as np
 import pytest
@@ -54,3 +55,26 @@ def test_thin_causal_attention_over_a_long_history_equals_the_plain_form(t):
     scores[..., np.arange(400)[None, :] > np.arange(400 - t, 400)[:, None]] = -np.inf
     np.testing.assert_allclose(osm.attend_contiguous(q, k, v), softmax(scores) @ np.repeat(v, 3, axis=0),
                                rtol=1e-10, atol=1e-12)  # float64: the exactness tolerance
+
+
+# --- paged attention: the queries of one sequence load its blocks once (minikv.paged.attention) ---
+
+@pytest.mark.parametrize("t", [2, 5])
+def test_paged_queries_of_one_sequence_equal_each_query_alone(t):
+    from minikv.paged.attention import paged_attention
+
+    rng = np.random.default_rng(t)
+    pool_k, pool_v = rng.standard_normal((2, 9, 4, 2, 8))   # 9 blocks of 4 slots, 2 KV heads, D 8
+    pool_k[3, 2:], pool_v[3, 2:] = np.nan, np.nan           # stale slots past the context: never read
+    table, ctx = np.array([[5, 0, 7, 3]]), 14               # 14 tokens: block 3 holds two of them
+    q = rng.standard_normal((t, 6, 8))
+
+    def load(pool):  # a loader whose blocks depend on ``full`` (as the quantized cache's do)
+        return lambda blk, full: pool[blk] * np.where(full, 1.0, 0.5)[..., None, None, None]
+
+    got = paged_attention(q, pool_k, pool_v, table, [ctx], [t], blocks_per_tile=2,
+                          load_k=load(pool_k), load_v=load(pool_v))
+    for i in range(t):  # query i alone, at its position ctx - t + i
+        alone = paged_attention(q[i:i + 1], pool_k, pool_v, table, [ctx - t + i + 1], [1], blocks_per_tile=2,
+                                load_k=load(pool_k), load_v=load(pool_v))
+        np.testing.assert_allclose(got[i], alone[0], rtol=1e-12)

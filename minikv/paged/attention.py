@@ -98,8 +98,13 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
         rows = slice(None) if r == n else rows
         blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
         full = (start // bs + np.arange(tile) + 1) * bs <= visible[rows, None]  # [R, tile] block full at the query
-        kb = load_k(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
-        vb = load_v(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)
+        if r > 1 and (blk == blk[0]).all() and (full == full[0]).all():
+            # Every query reads the same blocks alike (the queries of one sequence: a verify pass, a chunk):
+            # load them once, not once per query (8 queries over 1,024 keys copied the history 8 times
+            # and cost 6-9x one query; benchmarks/decode_profile.py). [1, span, ...] broadcasts over R.
+            blk, full = blk[:1], full[:1]
+        kb = load_k(blk, full).reshape(len(blk), span, hkv, d).astype(dt, copy=False)  # [R or 1, span, Hkv, D]
+        vb = load_v(blk, full).reshape(len(blk), span, hkv, d).astype(dt, copy=False)
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
         valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
