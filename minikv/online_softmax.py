@@ -172,12 +172,13 @@ QUERY_TILE = 64        # query rows per tile of a long causal input (a prefill)
 SCORE_BUDGET = 1 << 20  # score elements held at once (4 MiB in float32): sets the key tile
 
 # OpenBLAS (0.3.31 here) computes Q @ K^T for a few query rows over many keys (its "NT" case: K read
-# across its rows) 2-5x slower than K @ Q^T ("NN") once rows x keys x D passes its small-matrix kernel,
-# about 2^16 multiply-adds: a decode step's 3 rows over 512 keys, a verify pass's 12 rows over 128
-# (benchmarks/decode_profile.py; the crossover was swept with rows 1..24 against 128..1,024 keys). Up to
-# THIN_ROWS rows the scores are computed as K @ Q^T and transposed back; past it the NT product wins.
+# across its rows) 2-5x slower than K @ Q^T ("NN") once rows x keys x D passes its small-matrix kernel:
+# 73,728 multiply-adds were the most still fast (3 rows x 384 keys x 64, 9 x 128 x 64), 81,920 the fewest
+# already slow (4 x 320 x 64). That is a decode step's 3 rows over 512 keys, a verify pass's 12 over 128.
+# Up to THIN_ROWS rows past SMALL_GEMM the scores are computed as K @ Q^T and transposed back; past
+# THIN_ROWS the NT product wins. ``benchmarks/decode_profile.py --scores`` sweeps the two forms.
 THIN_ROWS = 32
-SMALL_GEMM = 1 << 16
+SMALL_GEMM = 72 * 1024
 
 
 def tile_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:

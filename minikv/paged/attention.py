@@ -100,8 +100,9 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
         full = (start // bs + np.arange(tile) + 1) * bs <= visible[rows, None]  # [R, tile] block full at the query
         if r > 1 and (blk == blk[0]).all() and (full == full[0]).all():
             # Every query reads the same blocks alike (the queries of one sequence: a verify pass, a chunk):
-            # load them once, not once per query (8 queries over 1,024 keys copied the history 8 times
-            # and cost 6-9x one query; benchmarks/decode_profile.py). [1, span, ...] broadcasts over R.
+            # load them once, not once per query (a verify pass of 8 queries copied the history 8 times;
+            # ``benchmarks/decode_profile.py --cache paged`` times the attention per T). [1, span, ...]
+            # broadcasts over the R queries.
             blk, full = blk[:1], full[:1]
         kb = load_k(blk, full).reshape(len(blk), span, hkv, d).astype(dt, copy=False)  # [R or 1, span, Hkv, D]
         vb = load_v(blk, full).reshape(len(blk), span, hkv, d).astype(dt, copy=False)
