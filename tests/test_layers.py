@@ -60,7 +60,8 @@ def test_thin_causal_attention_over_a_long_history_equals_the_plain_form(t):
 # --- paged attention: the queries of one sequence load its blocks once (minikv.paged.attention) ---
 
 @pytest.mark.parametrize("t", [2, 5])
-def test_paged_queries_of_one_sequence_equal_each_query_alone(t):
+@pytest.mark.parametrize("options", [{}, {"sinks": np.linspace(-1, 2, 6), "softcap": 3.0}])
+def test_paged_queries_of_one_sequence_equal_each_query_alone(t, options):
     from minikv.paged.attention import paged_attention
 
     rng = np.random.default_rng(t)
@@ -73,8 +74,8 @@ def test_paged_queries_of_one_sequence_equal_each_query_alone(t):
         return lambda blk, full: pool[blk] * np.where(full, 1.0, 0.5)[..., None, None, None]
 
     got = paged_attention(q, pool_k, pool_v, table, [ctx], [t], blocks_per_tile=2,
-                          load_k=load(pool_k), load_v=load(pool_v))
+                          load_k=load(pool_k), load_v=load(pool_v), **options)
     for i in range(t):  # query i alone, at its position ctx - t + i
         alone = paged_attention(q[i:i + 1], pool_k, pool_v, table, [ctx - t + i + 1], [1], blocks_per_tile=2,
-                                load_k=load(pool_k), load_v=load(pool_v))
+                                load_k=load(pool_k), load_v=load(pool_v), **options)
         np.testing.assert_allclose(got[i], alone[0], rtol=1e-12)
