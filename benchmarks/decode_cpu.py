@@ -16,7 +16,13 @@ It also measures the machine's read bandwidth (a float32 matrix-vector product
 over a 512 MB matrix, i.e. one streaming read) and reports each cached decode
 time against the floor ``weight bytes read per token / bandwidth``.
 
-    python benchmarks/decode_cpu.py [--ctx 256 1024] [--rounds 7] [--out benchmarks/results/decode_cpu.json]
+    python benchmarks/decode_cpu.py [--ctx 256 1024] [--rounds 7] [--threads N] [--out PATH]
+
+``--threads N`` runs both libraries on N threads (NumPy's OpenBLAS and torch's intra-op pool); the default
+leaves each library its own default. On a machine shared with other jobs, a pool of two threads on two busy
+cores stalls in its barriers (a causal 256-token attention took 5-8x longer on 2 threads than on 1 under a
+load average of 10), so a comparison there is fairer on ``--threads 1`` (the bandwidth floor is then measured
+on one thread too); the quiet-machine run keeps the default.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from decode_profile import set_blas_threads
 
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
@@ -180,10 +187,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per context length")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per round")
     ap.add_argument("--settle", type=float, default=0.5, help="seconds of idle before each engine's round")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS and torch threads for both (default: theirs)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_cpu.json"))
     args = ap.parse_args(argv)
 
+    if args.threads is not None:  # before the bandwidth is measured: the floor is then that of N threads
+        set_blas_threads(args.threads)
     path = find_model_file(args.model)
     model, tok = load_model(path)
     ids_all = reference_tokens(tok, max(args.ctx))
@@ -195,6 +205,8 @@ def main(argv=None) -> int:
           f"-> floor {floor_s * 1e3:.1f} ms/token ({1 / floor_s:.0f} tokens/s)")
     print(f"minikv's matrix products alone: {mm_ms:.1f} ms/token ({wbytes / mm_ms / 1e6:.1f} GB/s)")
     runners = [MinikvRunner(model), TransformersRunner(path)]
+    if args.threads is not None:
+        runners[1].torch.set_num_threads(args.threads)
 
     results = []
     for ctx in args.ctx:
@@ -248,7 +260,8 @@ def main(argv=None) -> int:
                   "before each engine's round; medians",
         "read_bandwidth_gbs": bw, "weight_bytes_per_token": wbytes, "bandwidth_floor_ms_per_token": floor_s * 1e3,
         "minikv_matmul_ms_per_token": mm_ms,
-        "results": results, "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
+        "results": results, "threads": args.threads,
+        "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
                "machine": info})
     print(f"wrote {out}")
     return 0

@@ -18,6 +18,13 @@ by a little; ``other`` is then clipped at 0. The table prints each operation's m
 pass's cost relative to T = 1 at the same context and thread count (the 1.3x goal of issue 24).
 
     python benchmarks/decode_profile.py [--ctx 256 1024] [--tokens 1 2 4 8 64] [--threads 1 2] [--reps 7]
+                                        [--cache contiguous|paged] [--scores]
+
+``--cache paged`` profiles the paged cache (blocks of 16) instead of the contiguous one. ``--scores`` first
+sweeps the attention's score product alone (``minikv.online_softmax.tile_scores`` against the plain
+``q @ k^T``, for 1-24 query rows over 128-1,024 keys, head_dim 64, 3 KV heads) and prints the plain form's
+time over the chosen form's: where OpenBLAS's small-matrix kernel ends, the plain form turns 2-5x slower.
+A quick look on a busy machine: ``--ctx 256 --tokens 1 2 4 8 --threads 1 --reps 3``.
 """
 
 from __future__ import annotations
@@ -31,10 +38,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 import minikv.model as model_module
+from minikv import online_softmax
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
-from minikv.kv_cache import ContiguousKVCache
+from minikv.generate import make_cache
 from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,9 +107,34 @@ class OpTimer:
             del cache.write, cache.attend
 
 
-def profile_context(model, ids: list[int], ctx: int, tokens: list[int], reps: int) -> dict:
+def score_sweep(reps: int = 30) -> list[dict]:
+    """Plain ``q @ k^T`` over ``online_softmax.tile_scores`` (best of ``reps``), per query rows and keys."""
+    rng = np.random.default_rng(0)
+
+    def best(fn, q, k):
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(q, k)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def plain(q, k):
+        return q @ np.swapaxes(k, -1, -2)
+
+    rows = []
+    for r in (1, 2, 3, 4, 6, 9, 12, 24):
+        for keys in (128, 256, 512, 1024):
+            q, k = rng.standard_normal((3, r, 64), np.float32), rng.standard_normal((3, keys, 64), np.float32)
+            ratio = best(plain, q, k) / best(online_softmax.tile_scores, q, k)
+            rows.append({"rows": r, "keys": keys, "plain_over_chosen": ratio})
+        print(f"rows {r:>2}: " + "  ".join(f"{x['keys']:>4} keys {x['plain_over_chosen']:.2f}x" for x in rows[-4:]))
+    return rows
+
+
+def profile_context(model, ids: list[int], ctx: int, tokens: list[int], reps: int, kind: str = "contiguous") -> dict:
     """{T: {"forward_ms": ..., op: ms, ...}} for one context, the sizes alternating within every round."""
-    cache = ContiguousKVCache(**model.new_cache_args(), max_seqs=1, max_len=ctx + max(tokens))
+    cache = make_cache(kind, model, max_len=ctx + max(tokens))
     cache.add_sequence(0)
     model.forward([ids[:ctx]], cache)
     new = ids[ctx:ctx + max(tokens)]
@@ -149,10 +184,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64], help="new tokens T (first: the base)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="BLAS threads")
     ap.add_argument("--reps", type=int, default=7, help="rounds; each runs every T once plain and once profiled")
+    ap.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    ap.add_argument("--scores", action="store_true", help="first sweep the score product alone (tile_scores)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_profile.json"))
     args = ap.parse_args(argv)
 
+    sweep = score_sweep() if args.scores else None
     path = find_model_file(args.model)
     model, tok = load_model(path)
     ids = reference_tokens(tok, max(args.ctx) + max(args.tokens))
@@ -161,7 +199,7 @@ def main(argv=None) -> int:
         set_blas_threads(threads)
         for ctx in args.ctx:
             load = os.getloadavg()[0]
-            for t, row in profile_context(model, ids, ctx, args.tokens, args.reps).items():
+            for t, row in profile_context(model, ids, ctx, args.tokens, args.reps, args.cache).items():
                 rows.append({"ctx": ctx, "threads": threads, "tokens": t, **row,
                              "load_average_1min": [load, os.getloadavg()[0]]})
             print_table(rows[-len(args.tokens):])
@@ -169,10 +207,10 @@ def main(argv=None) -> int:
     info = machine_info(("numpy",))
     print(describe(info))
     out = write_result(args.out, {
-        "benchmark": "decode_profile", "model": path.name, "dtype": "float32", "cache": "contiguous",
+        "benchmark": "decode_profile", "model": path.name, "dtype": "float32", "cache": args.cache,
         "method": f"{args.reps} rounds, each running every T once whole and once with its operations timed; "
                   "medians; all logits (a verify pass); load_average_1min before and after each context",
-        "ops": list(OPS), "rows": rows, "machine": info})
+        "ops": list(OPS), "rows": rows, "score_sweep": sweep, "machine": info})
     print(f"wrote {out}")
     return 0
 

@@ -171,6 +171,23 @@ def sink_rows(sinks: np.ndarray | None, hkv: int, g: int, t: int) -> np.ndarray 
 QUERY_TILE = 64        # query rows per tile of a long causal input (a prefill)
 SCORE_BUDGET = 1 << 20  # score elements held at once (4 MiB in float32): sets the key tile
 
+# OpenBLAS (0.3.31 here) computes Q @ K^T for a few query rows over many keys (its "NT" case: K read
+# across its rows) 2-5x slower than K @ Q^T ("NN") once rows x keys x D passes its small-matrix kernel:
+# 73,728 multiply-adds were the most still fast (3 rows x 384 keys x 64, 9 x 128 x 64), 81,920 the fewest
+# already slow (4 x 320 x 64). That is a decode step's 3 rows over 512 keys, a verify pass's 12 over 128.
+# Up to THIN_ROWS rows past SMALL_GEMM the scores are computed as K @ Q^T and transposed back; past
+# THIN_ROWS the NT product wins. ``benchmarks/decode_profile.py --scores`` sweeps the two forms.
+THIN_ROWS = 32
+SMALL_GEMM = 72 * 1024
+
+
+def tile_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """q [..., R, D] . k [..., K, D] -> scores [..., R, K] (C-contiguous: the caller may overwrite them)."""
+    rows, keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if 2 <= rows <= THIN_ROWS and rows * keys * d > SMALL_GEMM:
+        return np.ascontiguousarray(np.swapaxes(k @ np.ascontiguousarray(np.swapaxes(q, -1, -2)), -1, -2))
+    return q @ np.swapaxes(k, -1, -2)
+
 
 def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int | None = None,
                       sinks: np.ndarray | None = None, softcap: float | None = None) -> np.ndarray:
@@ -183,8 +200,10 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
     Queries go in tiles of ``QUERY_TILE``; a tile reads only the keys it can see (a causal
     prefill skips about half of the T x S square), ``key_tile`` keys at a time (default: as many
     as keep ``SCORE_BUDGET`` scores in hand, so a decode step is one tile up to long contexts).
-    Only tiles that cross the diagonal carry a mask. ``sinks`` ([Hq] learned sink logits) and
-    ``softcap`` are the options of the module docstring.
+    Only the keys past the tile's first query are masked: a Tq x Tq triangle at the diagonal, not a
+    mask over the whole tile (a verify pass of 8 tokens over 1,024 keys masks 8 x 7 / 2 scores per head).
+    The tile's last query sees every key the tile reads, so no value row needs masking either.
+    ``sinks`` ([Hq] learned sink logits) and ``softcap`` are the options of the module docstring.
     """
     *batch, hq, t, d = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
@@ -199,14 +218,15 @@ def attend_contiguous(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_tile: int
         qt = qg[..., t0:t1, :].reshape(*batch, hkv, rows, d)  # one GEMM per KV head serves its whole group
         tile = key_tile or max(QUERY_TILE, SCORE_BUDGET // (heads * (t1 - t0)))
         state = start(qt.shape[:-1], d, q.dtype, sink_rows(sinks, hkv, g, t1 - t0))
+        first_hidden = s - t + t0 + 1  # the first key the tile's first query may not see
         end = s - t + t1  # keys 0 .. end - 1 are all this tile may see
         for k0 in range(0, end, tile):
             k1 = min(k0 + tile, end)
-            scores = qt @ np.swapaxes(k[..., k0:k1, :], -1, -2)             # [..., Hkv, rows, K]
-            mask = None  # a tile left of the diagonal: every query sees every key
-            if k1 - 1 > s - t + t0:
-                pos = np.tile(np.arange(s - t + t0, s - t + t1), g)  # [rows] position of each row
-                mask = np.arange(k0, k1)[None, :] <= pos[:, None]
-            update(state, scores, v[..., k0:k1, :], mask, overwrite=True, softcap=softcap)
+            scores = tile_scores(qt, k[..., k0:k1, :])                      # [..., Hkv, rows, K]
+            c0 = max(first_hidden, k0)
+            if c0 < k1:  # key j is hidden from query t0 + i while j > S - T + t0 + i
+                hidden = np.arange(c0, k1)[None, :] > np.arange(first_hidden - 1, first_hidden - 1 + t1 - t0)[:, None]
+                np.copyto(scores[..., c0 - k0:], -np.inf, where=np.tile(hidden, (g, 1)))
+            update(state, scores, v[..., k0:k1, :], overwrite=True, softcap=softcap)
         out[..., t0:t1, :] = finish(state).reshape(*batch, hkv, g, t1 - t0, d)
     return out.reshape(q.shape)

@@ -98,15 +98,48 @@ def paged_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, block
         rows = slice(None) if r == n else rows
         blk = tables[rows, start // bs:start // bs + tile]                   # [R, tile]
         full = (start // bs + np.arange(tile) + 1) * bs <= visible[rows, None]  # [R, tile] block full at the query
+        valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
+        if r > 1 and (blk == blk[0]).all() and (full == full[0]).all():
+            # Every query reads the same blocks alike (the queries of one sequence: a verify pass, a chunk):
+            # load them once, not once per query (a verify pass of 8 queries copied the history 8 times;
+            # ``benchmarks/decode_profile.py --cache paged`` times the attention per T).
+            kb = load_k(blk[:1], full[:1]).reshape(span, hkv, d).astype(dt, copy=False)  # [span, Hkv, D]
+            vb = load_v(blk[:1], full[:1]).reshape(span, hkv, d).astype(dt, copy=False)
+            state[rows] = _shared_tile(state[rows], qg[rows], kb, vb, valid, scale, softcap)
+            continue
         kb = load_k(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)  # [R, span, Hkv, D]
         vb = load_v(blk, full).reshape(r, span, hkv, d).astype(dt, copy=False)
         scores = (qg[rows] @ kb.transpose(0, 2, 3, 1)) * scale               # [R, Hkv, G, span]
-        valid = (start + np.arange(span))[None, :] < visible[rows, None]     # [R, span]
         state[rows] = online_softmax.update(state[rows], scores, vb.transpose(0, 2, 1, 3),
                                             valid[:, None, None, :], overwrite=True, softcap=softcap)
     out = online_softmax.finish(state).reshape(n, hq, d)
     assert out.dtype == dt, out.dtype
     return out
+
+
+def _shared_tile(state: online_softmax.State, q: np.ndarray, kb: np.ndarray, vb: np.ndarray, valid: np.ndarray,
+                 scale, softcap: float | None) -> online_softmax.State:
+    """Fold one tile that R queries read alike into their state, as one product per KV head.
+
+    state: [R, Hkv, G] rows; q: [R, Hkv, G, D]; kb, vb: [span, Hkv, D] the tile's keys and values;
+    valid: [R, span] the keys each query may see. The R queries' G heads become R*G rows of one
+    [R*G, D] x [D, span] product per KV head instead of R products of G rows, and a stale key that no
+    query sees has its value row selected away once, not once per query.
+    """
+    r, hkv, g, d = q.shape
+
+    def rows(a):  # [R, Hkv, G, ...] -> [Hkv, R*G, ...]: row i*G + j is query i, head j
+        return np.swapaxes(a, 0, 1).reshape(hkv, r * g, *a.shape[3:])
+
+    def back(a):
+        return np.swapaxes(a.reshape(hkv, r, g, *a.shape[2:]), 0, 1)
+
+    scores = online_softmax.tile_scores(rows(q), np.swapaxes(kb, 0, 1))  # [Hkv, R*G, span]
+    scores *= scale
+    sub = online_softmax.State(rows(state.m), rows(state.l), rows(state.acc))
+    online_softmax.update(sub, scores, np.swapaxes(vb, 0, 1), np.repeat(valid, g, axis=0), overwrite=True,
+                          softcap=softcap)
+    return online_softmax.State(back(sub.m), back(sub.l), back(sub.acc))
 
 
 def _whole_tiles(block_tables: np.ndarray, context_lens: np.ndarray, bs: int, tile: int) -> np.ndarray:
