@@ -499,6 +499,17 @@ class _Group:
         self.lock, self.children = threading.Lock(), {}
 
 
+class _Done:
+    """A completed MPI request."""
+
+    @staticmethod
+    def Test():
+        return True
+
+
+_DONE = _Done()
+
+
 class ThreadComm:
     """Just enough of an mpi4py communicator to run ``minikv.parallel.tensor.ParallelModel``'s ranks as threads."""
 
@@ -527,6 +538,20 @@ class ThreadComm:
 
     def Allgatherv(self, a, spec):
         spec[0][...] = np.concatenate([p.ravel() for p in self.allgather(np.array(a))])
+
+    # The engine's collectives start nonblocking and wait under a watchdog (minikv.parallel.watchdog); the
+    # threads' versions complete at once and hand back a request that says so.
+    def Iallreduce(self, a, out, op):
+        self.Allreduce(a, out, op)
+        return _DONE
+
+    def Iallgather(self, a, out):
+        out[...] = np.stack(self.allgather(np.array(a))).reshape(out.shape)
+        return _DONE
+
+    def Iallgatherv(self, a, spec):
+        self.Allgatherv(a, spec)
+        return _DONE
 
     def Split(self, color, key):
         members = sorted((k, r) for c, k, r in self.allgather((color, key, self.rank)) if c == color)
