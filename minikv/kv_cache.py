@@ -323,11 +323,16 @@ class NoCache(KVCacheBase):
         out = np.empty_like(q)
         for i in range(len(step.seq_ids)):
             r = step.rows(i)
-            qi = q[r].transpose(1, 0, 2)  # [Hq, T, D]
-            ki = self._k[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)  # [Hkv, T, D]
-            vi = self._v[layer][r].transpose(1, 0, 2).astype(q.dtype, copy=False)
-            out[r] = causal_attention(qi, ki, vi, check=False, sinks=sinks, softcap=softcap).transpose(1, 0, 2)
+            k, v = self._k[layer][r].transpose(1, 0, 2), self._v[layer][r].transpose(1, 0, 2)  # [Hkv, T, D]
+            out[r] = self._attend_sequence(layer, q[r], k, v, sinks, softcap)
         return out
+
+    def _attend_sequence(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks, softcap):
+        """One whole sequence, causally: q [T, Hq, D], k/v [Hkv, T, D] -> [T, Hq, D]. A later step's
+        reference (step 9's windows) overrides this, not ``attend``."""
+        k, v = k.astype(q.dtype, copy=False), v.astype(q.dtype, copy=False)
+        return causal_attention(q.transpose(1, 0, 2), k, v, check=False, sinks=sinks,
+                                softcap=softcap).transpose(1, 0, 2)
 
 
 class ContiguousKVCache(KVCacheBase):

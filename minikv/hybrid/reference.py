@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from minikv.errors import InvalidInputError, check_int
+from minikv.errors import check_int
 from minikv.kv_cache import NoCache
 from minikv.window.ring import WindowPolicy, attend_slots
 
@@ -30,23 +30,12 @@ class SlidingNoCache(NoCache):
         # WindowPolicy.visible is the rule "k <= q and q - k < W": the ring's, written once (minikv.window.ring)
         self._rules = [None if w is None else WindowPolicy(w) for w in self.layer_windows]
 
-    def attend(self, layer: int, q: np.ndarray, sinks: np.ndarray | None = None,
-               softcap: float | None = None) -> np.ndarray:
-        """q: [N, Hq, D] -> [N, Hq, D]; each sequence's tokens see their own earlier tokens, within the window
-        (sinks [Hq], softcap: ``minikv.online_softmax``'s options)."""
-        self._check_layer(layer)
+    def _attend_sequence(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks, softcap):
+        """One whole sequence: q [T, Hq, D], k/v [Hkv, T, D] -> [T, Hq, D]; a full layer causally (step 1's),
+        a sliding layer's query t over keys t - W + 1 .. t (sinks [Hq], softcap: ``minikv.online_softmax``'s)."""
         rule = self._rules[layer]
         if rule is None:
-            return super().attend(layer, q, sinks=sinks, softcap=softcap)
-        step = self._check_query(layer, q)
-        if self._k[layer] is None:
-            raise InvalidInputError(f"attend(layer={layer}) before write(layer={layer}) in this step")
-        out = np.empty_like(q)
-        for i in range(len(step.seq_ids)):
-            r = step.rows(i)
-            k, v = self._k[layer][r].transpose(1, 0, 2), self._v[layer][r].transpose(1, 0, 2)  # [Hkv, T, D]
-            q_pos = np.arange(r.stop - r.start)                                               # whole sequences
-            k_pos = np.broadcast_to(q_pos, k.shape[:2])                                       # [Hkv, T]
-            out[r] = attend_slots(q[r], [(k, v, k_pos)], lambda kp, q_pos=q_pos: rule.visible(q_pos, kp),
-                                  sinks=sinks, softcap=softcap)
-        return out
+            return super()._attend_sequence(layer, q, k, v, sinks, softcap)
+        q_pos = np.arange(q.shape[0])                  # whole sequences: query t is at position t
+        k_pos = np.broadcast_to(q_pos, k.shape[:2])    # [Hkv, T]
+        return attend_slots(q, [(k, v, k_pos)], lambda kp: rule.visible(q_pos, kp), sinks=sinks, softcap=softcap)
