@@ -79,6 +79,16 @@ def test_minikv_memory_prints_per_layer_type_bytes(capsys):
     assert "sliding_attention (W=512)" in out and "saved 78.1%" in out  # 1 - (3 x 8192 + 15 x 511) / (18 x 8192)
 
 
+def test_the_preset_names_the_mlp_its_source_names(capsys):
+    """Gemma's MLP is GeGLU (gated, tanh GELU): three matrices like SwiGLU, but the report must not call it
+    SwiGLU while the source line beside it says GeGLU."""
+    from minikv.cli import main
+
+    assert main(["memory", "--preset", "gemma3-270m"]) == 0
+    out = capsys.readouterr().out
+    assert "(GeGLU)" in GEMMA3_270M.source and "MLP 2048 (geglu)" in out and "swiglu" not in out
+
+
 @pytest.mark.gemma
 def test_minikv_memory_reads_the_layer_pattern_from_the_gemma_file(gemma3, capsys):  # shares its weights
     """``memory --model gemma3`` (the planner, reading the GGUF's metadata): the layer types and per-token bytes

@@ -31,7 +31,7 @@ from minikv.paged.allocator import ceil_div
 # sliding_window 512, sliding_window_pattern 6; transformers' Gemma3TextConfig derives layer_types from them)
 GEMMA3_270M = ModelShape(
     name="gemma3-270m", num_layers=18, hidden_size=640, num_heads=4, num_kv_heads=1, head_dim=256,
-    intermediate_size=2048, vocab_size=262144, tie_embeddings=True, max_context=32768,
+    intermediate_size=2048, vocab_size=262144, mlp="geglu", tie_embeddings=True, max_context=32768,
     published_params=270_000_000,
     source=("https://huggingface.co/google/gemma-3-270m/blob/main/config.json (18 layers, hidden 640, 4 query "
             "heads, 1 KV head of head_dim 256, intermediate 2048 (GeGLU), vocab 262144, sliding_window 512, "

@@ -35,7 +35,7 @@ def dtype_bytes(dtype: str) -> float:
 
 # --- model shapes ------------------------------------------------------------------------------
 
-MLP_KINDS = ("swiglu", "gelu")
+MLP_KINDS = ("swiglu", "geglu", "gelu")  # gated (3 matrices: gate, up, down) or not (2)
 NORM_KINDS = ("rms", "layer")
 # sizes that may be unknown (None) and are >= 1 when given
 _OPTIONAL_SIZES = ("num_kv_heads", "head_dim", "hidden_size", "num_heads", "intermediate_size", "vocab_size",
@@ -61,7 +61,7 @@ class ModelShape:
         without RoPE (DeepSeek's qk_nope_head_dim), ``rope_dim`` the decoupled
         RoPE dim, ``v_head_dim`` the value dim, ``q_lora_rank`` the query
         compression (0 = none). ``num_kv_heads`` plays no part in MLA's cache.
-    MLP: ``mlp`` is "swiglu" (3 matrices) or "gelu" (2 matrices). Mixture of
+    MLP: ``mlp`` is "swiglu" or "geglu" (gated: 3 matrices) or "gelu" (2 matrices). Mixture of
     experts: ``num_experts`` routed experts of width ``moe_intermediate_size``,
     ``experts_per_token`` of them active, plus ``shared_experts`` always active;
     the first ``first_dense_layers`` layers keep a dense MLP of width
