@@ -56,7 +56,7 @@ test: install-test
 	    echo "== kernel tests under $$mode"; \
 	    env $$mode $(PY) -m pytest -q -p no:cacheprovider $(SIM_KERNEL_TESTS) || exit 1; \
 	done
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 notebooks: install-test
 	$(PY) notebooks/execute.py
