@@ -19,7 +19,9 @@ speed-up, ``speedup_predicted``: the plain passes for the same tokens, (accepted
 speculation's passes, (steps without a draft) t(1) + (steps with drafts) t(K + 1) (a pass with fewer
 than K drafts is priced as K + 1 tokens).
 The variant ``K=4 min1`` drafts on any match down to a 1-token suffix, as the engine did before its
-rule (``minikv.speculative.MIN_NGRAM``: draft only from a match of 2 or more tokens): it measures the rule.
+rule (``minikv.speculative.MIN_NGRAM``: draft only from a match of 2 or more tokens), and ``K=4 no raise``
+keeps that 2-token rule but drops its second part (``MISS_NGRAM``: after a wholly rejected draft, only a
+3-token match drafts until a draft is accepted again): together they measure the rule.
 Results on a 2-core shared machine are noisy: read the ratios (the 1-minute load average before and
 after each task is recorded, so a busy run shows itself).
 
@@ -39,7 +41,7 @@ from unittest.mock import patch
 import minikv.generate as generate_module
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import GREEDY, generate, make_cache
-from minikv.speculative import MIN_NGRAM, speculative_decode
+from minikv.speculative import MIN_NGRAM, MISS_NGRAM, speculative_decode
 from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,13 +68,15 @@ TASKS = {
 
 
 OLD_RULE = "K=4 min1"  # the variant that drafts on any match, down to a 1-token suffix (before MIN_NGRAM)
+NO_RAISE = "K=4 no raise"  # the 2-token rule without the raise after a miss (before MISS_NGRAM)
+RULES = {OLD_RULE: dict(min_ngram=1, miss_ngram=1), NO_RAISE: dict(min_ngram=MIN_NGRAM, miss_ngram=MIN_NGRAM)}
 
 
 def run(model, ids: list[int], n: int, k):
     """One greedy generation (k None: plain; an int: speculative with draft length k and the engine's
-    drafting rule; ``OLD_RULE``: K = 4 drafting on any 1-token match); its result."""
-    if k == OLD_RULE:
-        with patch.object(generate_module, "speculative_decode", partial(speculative_decode, min_ngram=1)):
+    drafting rule; a name in ``RULES``: K = 4 with that older rule); its result."""
+    if k in RULES:
+        with patch.object(generate_module, "speculative_decode", partial(speculative_decode, **RULES[k])):
             return run(model, ids, n, 4)
     kw = {} if k is None else dict(speculative="ngram", draft_len=k)
     return generate(model, ids, n, cache="contiguous", sampling=GREEDY, **kw)
@@ -97,7 +101,7 @@ def pass_ms(model, ids: list[int], sizes: list[int], rounds: int = 7) -> dict:
 
 def bench_task(model, ids: list[int], n: int, draft_lens: list[int], rounds: int, settle: float) -> dict:
     """Alternating rounds of plain and speculative runs on one prompt; medians and per-round ratios."""
-    variants = [None, *draft_lens, OLD_RULE]
+    variants = [None, *draft_lens, *RULES]
     speed = {v: [] for v in variants}
     ratio = {v: [] for v in variants[1:]}
     last = {}
@@ -116,7 +120,7 @@ def bench_task(model, ids: list[int], n: int, draft_lens: list[int], rounds: int
            "plain": {"decode_tokens_per_s": statistics.median(speed[None]), "runs": speed[None]}}
     for k in variants[1:]:
         st = last[k].speculative
-        name = k if k == OLD_RULE else f"K={k}"
+        name = k if k in RULES else f"K={k}"
         out[name] = {"draft_len": st.draft_len, "decode_tokens_per_s": statistics.median(speed[k]), "runs": speed[k],
                      "speedup": statistics.median(ratio[k]), "speedup_runs": ratio[k],
                      "speedup_of_best_runs": max(speed[k]) / max(speed[None]),
@@ -146,7 +150,7 @@ def main(argv=None) -> int:
         row["load_average_1min"] = [load, os.getloadavg()[0]]  # before, after: other work on this machine
         row["prompt_tokens"] = len(ids)
         ms = row["forward_ms_by_tokens"] = pass_ms(model, ids, sorted({1, 5, *(k + 1 for k in args.draft_lens)}))
-        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:  # the cost model: plain passes for
+        for variant in [f"K={k}" for k in args.draft_lens] + [*RULES]:  # the cost model: plain passes for
             e = row[variant]                                                  # the same tokens / speculation's
             k = e["draft_len"]
             plain_ms = (e["accepted_tokens"] + e["verify_steps"]) * ms["1"]
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
         print(f"\n{name}: prompt {len(ids)} tokens, {row['new_tokens']} new ({row['finish_reason']}); "
               f"plain {row['plain']['decode_tokens_per_s']:.1f} tokens/s; one forward pass of T tokens (ms): "
               + ", ".join(f"T={t}: {ms:.1f}" for t, ms in row["forward_ms_by_tokens"].items()))
-        for variant in [f"K={k}" for k in args.draft_lens] + [OLD_RULE]:
+        for variant in [f"K={k}" for k in args.draft_lens] + [*RULES]:
             e = row[variant]
             print(f"  {variant}: {e['decode_tokens_per_s']:6.1f} tokens/s, speed-up {e['speedup']:.2f}x (best runs "
                   f"{e['speedup_of_best_runs']:.2f}x, cost model {e['speedup_predicted']:.2f}x), acceptance "
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
     print(describe(info))
     payload = {"benchmark": "speculative", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
                "cache": "contiguous", "sampling": "greedy",
-               "drafter": f"ngram (prompt lookup, n = 3..{MIN_NGRAM}; '{OLD_RULE}': n = 3..1)",
+               "drafter": f"ngram (prompt lookup, n = 3..{MIN_NGRAM}, n = 3..{MISS_NGRAM} after a wholly rejected "
+                          f"draft; '{OLD_RULE}': n = 3..1; '{NO_RAISE}': n = 3..{MIN_NGRAM} always)",
                "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "tasks": results,
                "thread_env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
                "machine": info}

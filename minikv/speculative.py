@@ -15,13 +15,16 @@ from ``max_ngram`` down to 1), finds their latest earlier occurrence in prompt +
 and proposes the (up to) k tokens that followed it there. No match: no draft, a plain decode step.
 It needs no second model, so it works for SmolLM2 as it is.
 
-When to draft (the engine's rule): only when a suffix of at least ``MIN_NGRAM`` = 2 tokens matches.
-A verify pass of k + 1 tokens costs more than a one-token pass (``benchmarks/decode_profile.py``:
-1.2x at k = 1 .. 1.8x at k = 7 on the 2-core benchmark machine), so a draft must be right often
-enough to pay for it. A match on the last token alone (a space, a comma, "the") predicts what comes
-next far less often than a match on two; ``benchmarks/speculative.py`` measures the rule against
-drafting on any 1-token match (its ``K=4 min1`` variant). ``ngram_draft``'s own default stays 1:
-the plain lookup of the lesson (``minikv.textbook.s7_rollback``).
+When to draft (the engine's rule): only when a suffix of at least ``MIN_NGRAM`` = 2 tokens matches,
+and after a draft was wholly rejected, only on a match of ``MISS_NGRAM`` = 3 tokens until a draft is
+accepted again (a miss raises the bar). A verify pass of k + 1 tokens costs more than a one-token pass
+(``benchmarks/decode_profile.py``), so a draft must be right often enough to pay for it. A match on the
+last token alone (a space, a comma, "the") predicts what comes next far less often than a match on two;
+and where a 2-token match was just wrong, the text is not copying its context there, and the next
+2-token match is no better a bet. ``benchmarks/speculative.py`` measures both parts of the rule against
+drafting on any 1-token match (its ``K=4 min1`` variant) and against the 2-token rule without the raise
+(``K=4 no raise``). ``ngram_draft``'s own default stays 1: the plain lookup of the lesson
+(``minikv.textbook.s7_rollback``).
 
 Verification and the acceptance rule (greedy)
 ---------------------------------------------
@@ -74,6 +77,7 @@ from minikv.errors import InvalidInputError, check_int
 SPECULATIVE_KINDS = ("ngram",)  # the --speculative choices
 MAX_NGRAM = 3  # longest suffix the drafter looks up
 MIN_NGRAM = 2  # shortest suffix whose match the decode loop drafts from (see "When to draft")
+MISS_NGRAM = 3  # ... and after a wholly rejected draft, until a draft is accepted again
 
 
 @dataclass
@@ -169,18 +173,19 @@ def accept_sampled(target: np.ndarray, draft: np.ndarray, drafts: Sequence[int],
 
 def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens: int, eos: int | None,
                        result, draft_len: int, max_ngram: int = MAX_NGRAM, seq_id=0,
-                       min_ngram: int = MIN_NGRAM) -> Iterator[int]:
+                       min_ngram: int = MIN_NGRAM, miss_ngram: int = MISS_NGRAM) -> Iterator[int]:
     """The speculative decode loop after prefill: yield tokens from ``first`` on, until EOS or
     ``max_new_tokens``. ``ids`` (prompt, extended in place) is what the drafter searches.
 
     ``result`` (a ``minikv.generate.GenerationResult``) gets the tokens, ``decode_s`` (drafting and
     verifying, not the consumer's time), ``finish_reason`` and ``speculative``: a ``SpecStats``.
-    It drafts only from a match of at least ``min_ngram`` tokens (``MIN_NGRAM``: "When to draft").
+    It drafts only from a match of at least ``min_ngram`` tokens, or ``miss_ngram`` after a draft that was
+    wholly rejected until one is accepted again (``MIN_NGRAM``, ``MISS_NGRAM``: "When to draft").
     Drafts are capped so that no step runs past ``prompt + max_new_tokens - 1`` positions: a cache
     sized for plain decoding suffices.
     """
     stats = result.speculative = SpecStats(check_int("draft_len", draft_len, error=InvalidInputError))
-    queue = [int(first)]
+    queue, need = [int(first)], min_ngram
     while True:
         for tok in queue:
             ids.append(tok)
@@ -193,5 +198,8 @@ def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens:
                 return
         t0 = time.perf_counter()
         k = min(draft_len, max_new_tokens - len(result.token_ids) - 1)
-        queue = verify(model, cache, seq_id, queue[-1], ngram_draft(ids, k, max_ngram, min_ngram), stats)
+        drafts = ngram_draft(ids, k, max_ngram, need)
+        queue = verify(model, cache, seq_id, queue[-1], drafts, stats)
+        if drafts:  # a wholly rejected draft raises the bar; an accepted token lowers it again
+            need = miss_ngram if len(queue) == 1 else min_ngram
         result.decode_s += time.perf_counter() - t0

@@ -19,11 +19,11 @@ import pytest
 from minikv.bench.equivalence import assert_close
 from minikv.cli import main
 from minikv.errors import ConfigError, InvalidInputError, OutOfBlocksError, RollbackError, UnknownSequenceError
-from minikv.generate import GREEDY, SamplingParams, generate, make_cache
+from minikv.generate import GREEDY, GenerationResult, SamplingParams, generate, make_cache
 from minikv.kv_cache import ContiguousKVCache
 from minikv.paged import PagedKVCache
 from minikv.quant import QuantizedPagedKVCache
-from minikv.speculative import SpecStats, ngram_draft, verify
+from minikv.speculative import MIN_NGRAM, MISS_NGRAM, SpecStats, ngram_draft, speculative_decode, verify
 from minikv.weights.random_models import random_mla_model, random_model
 
 PROMPT = [5, 7, 9, 11, 5, 7, 9, 11, 3, 4, 5, 7]  # repeats itself: the drafter finds matches at once
@@ -54,6 +54,50 @@ def test_the_drafter_takes_the_longest_suffix_and_its_latest_occurrence():
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidInputError, match="k="):
             ngram_draft(ids, bad)
+
+
+# --- the decode loop's drafting rule ("When to draft") ---------------------------------------------------
+
+class Scripted:
+    """A model, and its cache, whose greedy next token after position j is ``text[j + 1]``: the loop's drafts
+    are recorded, and accepted exactly where they copy the text."""
+
+    def __init__(self, text: list[int], cached: int):
+        self.text, self.n, self.drafts = text, cached, []
+
+    def forward(self, seqs, cache, seq_ids, all_logits):
+        fed = seqs[0]
+        self.drafts.append(list(fed[1:]))
+        logits = np.zeros((len(fed), max(self.text) + 1))
+        logits[np.arange(len(fed)), self.text[self.n + 1:self.n + 1 + len(fed)]] = 1.0
+        self.n += len(fed)
+        return logits
+
+    def length(self, seq_id):
+        return self.n
+
+    def truncate(self, seq_id, length):
+        self.n = length
+
+
+@pytest.mark.parametrize("miss_ngram", [MISS_NGRAM, MIN_NGRAM])  # MIN_NGRAM: the rule without the raise
+def test_a_wholly_rejected_draft_raises_the_bar_until_one_is_accepted(miss_ngram):
+    prompt = [1, 2, 9, 3, 4, 5, 10, 11, 8]
+    answer = [1, 2, 7, 3, 4, 5, 10, 11, 1, 2, 9, 0]
+    script = Scripted(prompt + answer, len(prompt))
+    result = GenerationResult(prompt_ids=prompt)
+    got = list(speculative_decode(script, script, list(prompt), answer[0], len(answer), None, result, draft_len=2,
+                                  miss_ngram=miss_ngram))
+    assert got == answer  # a rule changes which passes run, never a token
+    drafted = [d for d in script.drafts if d]
+    if miss_ngram == MISS_NGRAM:
+        # [1, 2] drafts [9, 3]: wrong, so the 2-token match [3, 4] drafts nothing; the 3-token match [3, 4, 5]
+        # drafts [10, 11]: right, and the bar is down again, so the 2-token match [1, 2] drafts [7] (one token
+        # before max_new_tokens)
+        assert drafted == [[9, 3], [10, 11], [7]]
+    else:
+        assert drafted == [[9, 3], [5, 10], [8, 1], [7]]  # every 2-token match drafts
+    assert result.speculative.drafted_steps == len(drafted)
 
 
 # --- speculative greedy == plain greedy ------------------------------------------------------------

@@ -457,14 +457,16 @@ class CountingModel:
 @pytest.fixture
 def engine_drafts_on_any_match(monkeypatch):
     """The lesson drafts from any n-gram match (down to one token); the engine's decode loop only from a match of
-    ``MIN_NGRAM`` = 2 (a performance rule, ``minikv/speculative.py`` "When to draft"). Pass for pass, the lesson
-    is compared with the engine under the lesson's rule."""
+    ``MIN_NGRAM`` = 2, and of ``MISS_NGRAM`` = 3 after a wholly rejected draft (a performance rule,
+    ``minikv/speculative.py`` "When to draft"). Pass for pass, the lesson is compared with the engine under the
+    lesson's rule."""
     import functools
 
     import minikv.generate
     from minikv.speculative import speculative_decode
 
-    monkeypatch.setattr(minikv.generate, "speculative_decode", functools.partial(speculative_decode, min_ngram=1))
+    monkeypatch.setattr(minikv.generate, "speculative_decode", functools.partial(speculative_decode, min_ngram=1,
+                                                                                  miss_ngram=1))
 
 
 @pytest.mark.parametrize("prompt", [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6], [9]])
