@@ -20,7 +20,9 @@ pass's cost relative to T = 1 at the same context and thread count (the 1.3x goa
     python benchmarks/decode_profile.py [--ctx 256 1024] [--tokens 1 2 4 8 64] [--threads 1 2] [--reps 7]
                                         [--cache contiguous|paged] [--scores]
 
-``--cache paged`` profiles the paged cache (blocks of 16) instead of the contiguous one. ``--scores`` first
+``--cache paged`` profiles the paged cache (blocks of 16) instead of the contiguous one; ``--cache none``
+the uncached step of step 1 (``NoCache``): each pass recomputes the context and the T new tokens, and
+only the last row's logits are computed, as an uncached decode step does (use ``--tokens 1``). ``--scores`` first
 sweeps the attention's score product alone (``minikv.online_softmax.tile_scores`` against the plain
 ``q @ k^T``, for 1-24 query rows over 128-1,024 keys, head_dim 64, 3 KV heads) and prints the plain form's
 time over the chosen form's: where OpenBLAS's small-matrix kernel ends, the plain form turns 2-5x slower.
@@ -117,14 +119,20 @@ def profile_context(model, ids: list[int], ctx: int, tokens: list[int], reps: in
     """{T: {"forward_ms": ..., op: ms, ...}} for one context, the sizes alternating within every round."""
     cache = make_cache(kind, model, max_len=ctx + max(tokens))
     cache.add_sequence(0)
-    model.forward([ids[:ctx]], cache)
     new = ids[ctx:ctx + max(tokens)]
+    if kind == "none":  # no cache to fill: each pass recomputes the context and the new tokens
+        def one_pass(t):
+            start = time.perf_counter()
+            model.forward([ids[:ctx + t]], cache)
+            return time.perf_counter() - start
+    else:
+        model.forward([ids[:ctx]], cache)
 
-    def one_pass(t):
-        start = time.perf_counter()
-        model.forward([new[:t]], cache, all_logits=True)
-        cache.truncate(0, ctx)
-        return time.perf_counter() - start
+        def one_pass(t):
+            start = time.perf_counter()
+            model.forward([new[:t]], cache, all_logits=True)
+            cache.truncate(0, ctx)
+            return time.perf_counter() - start
 
     for t in tokens:  # warm-up: first touches, BLAS threads started
         one_pass(t)
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64], help="new tokens T (first: the base)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="BLAS threads")
     ap.add_argument("--reps", type=int, default=7, help="rounds; each runs every T once plain and once profiled")
-    ap.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    ap.add_argument("--cache", choices=("contiguous", "paged", "none"), default="contiguous")
     ap.add_argument("--scores", action="store_true", help="first sweep the score product alone (tile_scores)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_profile.json"))
