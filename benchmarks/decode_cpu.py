@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from decode_profile import set_blas_threads
 
-from minikv import blas
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import generate
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.threads is not None:  # before the bandwidth is measured: the floor is then that of N threads
-        blas.set_threads(args.threads)
+        set_blas_threads(args.threads)
     path = find_model_file(args.model)
     model, tok = load_model(path)
     ids_all = reference_tokens(tok, max(args.ctx))

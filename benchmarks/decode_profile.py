@@ -32,6 +32,7 @@ A quick look on a busy machine: ``--ctx 256 --tokens 1 2 4 8 --threads 1 --reps 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -42,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 import minikv.model as model_module
-from minikv import blas, online_softmax
+from minikv import online_softmax
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.generate import make_cache
@@ -50,6 +51,24 @@ from minikv.weights.gguf import find_model_file, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("projections", "attention", "cache_write", "norms", "rope", "activation", "lm_head", "other")
+
+
+def _blas_library():
+    """NumPy's OpenBLAS, found among the loaded libraries, with the name of its thread setter."""
+    with open("/proc/self/maps") as f:
+        paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line})
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                return getattr(lib, name)
+    raise RuntimeError("NumPy's OpenBLAS was not found among the loaded libraries: cannot set its threads")
+
+
+def set_blas_threads(n: int) -> None:
+    """Set the number of OpenBLAS threads NumPy's matrix products use from now on."""
+    _blas_library()(int(n))
 
 
 class OpTimer:
@@ -185,7 +204,7 @@ def main(argv=None) -> int:
     ids = reference_tokens(tok, max(args.ctx) + max(args.tokens))
     rows = []
     for threads in args.threads:
-        blas.set_threads(threads)  # OpenBLAS's threads, and linear's shares of a thin product
+        set_blas_threads(threads)
         for ctx in args.ctx:
             load = os.getloadavg()[0]
             for t, row in profile_context(model, ids, ctx, args.tokens, args.reps, args.cache).items():

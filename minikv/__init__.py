@@ -20,8 +20,7 @@ Notebook NN is ``notebooks/NN_*.ipynb``, doc page NN ``docs/NN_*.md`` (``docs/zh
 learning path is ``docs/index.md``.
 
 The core, at the top of the package: ``errors`` (typed exceptions, the one int/choice validator),
-``blas`` (NumPy's BLAS threads: read and set), ``layers`` (the linear map, RMSNorm, activations,
-RoPE), ``moe`` (a mixture-of-experts MLP: the MLP half of a layer,
+``layers`` (RMSNorm, activations, RoPE), ``moe`` (a mixture-of-experts MLP: the MLP half of a layer,
 which never sees the cache), ``attention`` (step 1), ``online_softmax`` (the running
 max/sum/accumulator every attention here walks its keys with), ``kv_cache`` (step 2: ``Step``, the
 ``step``/``write``/``attend`` seam, ``NoCache``, ``ContiguousKVCache``), ``model`` (the decoder, which
@@ -30,7 +29,7 @@ kinds), ``scheduler`` (many sequences: continuous batching), ``speculative``, ``
 Around them: ``weights/`` (GGUF, tokenizer, Hugging Face checkpoints, random models), ``costs/``
 (formulas and presets), ``bench/`` (measuring tools), ``cli/`` (the ``minikv`` command).
 
-Imports point down: errors, blas, layers -> attention, online_softmax -> kv_cache -> paged -> mla, quant,
+Imports point down: errors, layers -> attention, online_softmax -> kv_cache -> paged -> mla, quant,
 window, hybrid -> model -> generate, scheduler -> tiers, parallel -> cli (``tests/test_layout.py``). The GPU
 wing, ``minikv_gpu``, mirrors each step with CUDA C kernels under the same names.
 """

@@ -9,12 +9,10 @@ angles computed in float64 (transformers: float32).
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from minikv import blas
 from minikv.errors import check_choice, check_float, check_int
 
 ROPE_LAYOUTS = ("interleaved", "half")
@@ -26,14 +24,8 @@ ROPE_LAYOUTS = ("interleaved", "half")
 # 64-row block stays in the core's cache while it is packed and used, and the pass costs about what it reads
 # (benchmarks/results/decode_profile.json). One token keeps the matrix-vector product; past THIN_TOKENS
 # the plain GEMM is as fast.
-#
-# Each block's product is too small for OpenBLAS to thread, so on its own a thin pass would run on one core
-# while a one-token pass, which OpenBLAS does thread, runs on all of them. The blocks are therefore dealt out
-# in one contiguous share per BLAS thread (``minikv.blas.threads()``); the caller computes the last share
-# and a pool thread each of the others. NumPy lets go of the GIL inside matmul, so the shares run at once.
 ROW_BLOCK = 64
 THIN_TOKENS = 32
-_pool: ThreadPoolExecutor | None = None
 
 
 def linear(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
@@ -44,31 +36,13 @@ def linear(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
     n, out = x.shape[0], w_t.shape[0]
     if not 2 <= n <= THIN_TOKENS or out < ROW_BLOCK or not w_t.flags.c_contiguous:
         return x @ w_t.T
+    body = out - out % ROW_BLOCK
     y = np.empty((n, out), dtype=np.result_type(x, w_t))
-    blocks = out // ROW_BLOCK
-    shares = min(blas.threads(), blocks)
-    cuts = [ROW_BLOCK * (blocks * i // shares) for i in range(shares + 1)]  # share i: rows cuts[i] .. cuts[i+1]
-    pending = [_thread_pool().submit(_blocked_rows, x, w_t, y, lo, hi) for lo, hi in zip(cuts[:-2], cuts[1:-1])]
-    _blocked_rows(x, w_t, y, cuts[-2], cuts[-1])
-    if cuts[-1] < out:
-        y[:, cuts[-1]:] = x @ w_t[cuts[-1]:].T
-    for p in pending:
-        p.result()
+    blocks = np.matmul(w_t[:body].reshape(body // ROW_BLOCK, ROW_BLOCK, w_t.shape[1]), x.T)  # [out/B, B, N]
+    y[:, :body] = blocks.transpose(2, 0, 1).reshape(n, body)
+    if body < out:
+        y[:, body:] = x @ w_t[body:].T
     return y
-
-
-def _blocked_rows(x: np.ndarray, w_t: np.ndarray, y: np.ndarray, lo: int, hi: int) -> None:
-    """y[:, lo:hi] = x @ w_t[lo:hi].T, ROW_BLOCK rows of w_t at a time (hi - lo a multiple of ROW_BLOCK)."""
-    blocks = np.matmul(w_t[lo:hi].reshape((hi - lo) // ROW_BLOCK, ROW_BLOCK, w_t.shape[1]), x.T)  # [k, B, N]
-    y[:, lo:hi] = blocks.transpose(2, 0, 1).reshape(x.shape[0], hi - lo)
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    """The pool that runs the shares of thin products beyond the caller's (made on first use)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="minikv-linear")
-    return _pool
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -5,10 +5,8 @@ paged attention over blocks that the queries of one sequence load once."""
 import numpy as np
 import pytest
 
-from minikv import blas
 from minikv import online_softmax as osm
 from minikv.attention import softmax
-from minikv.errors import InvalidInputError
 from minikv.layers import ROW_BLOCK, THIN_TOKENS, linear
 
 
@@ -30,29 +28,6 @@ def test_linear_of_a_strided_weight_is_still_right():
     x = rng.standard_normal((3, 16)).astype(np.float32)
     w = rng.standard_normal((16, 2 * ROW_BLOCK)).astype(np.float32)  # w.T is a strided [out, in] view
     np.testing.assert_allclose(linear(x, w.T), x @ w, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("threads", [2, 3, 5, 64])  # 64: more threads than 64-row blocks
-@pytest.mark.parametrize("out", [ROW_BLOCK, 5 * ROW_BLOCK + 3, 9 * ROW_BLOCK])
-def test_linear_shared_among_threads_equals_the_plain_product(monkeypatch, threads, out):
-    # every row of the output written once, by whichever share owns it: no gap, no overlap, the tail too
-    monkeypatch.setattr(blas, "threads", lambda: threads)
-    rng = np.random.default_rng(threads * 100 + out)
-    x, w_t = rng.standard_normal((4, 40)), rng.standard_normal((out, 40))
-    np.testing.assert_allclose(linear(x, w_t), x @ w_t.T, rtol=1e-12, atol=1e-12)
-
-
-def test_blas_threads_can_be_read_and_set():
-    before = blas.threads()
-    try:
-        blas.set_threads(1)
-        assert blas.threads() == 1
-        blas.set_threads(2)
-        assert blas.threads() == 2
-    finally:
-        blas.set_threads(before)
-    with pytest.raises(InvalidInputError, match="threads=0"):
-        blas.set_threads(0)
 
 
 # --- the attention's score product: K @ Q^T for a few query rows (minikv.online_softmax.tile_scores) ---

@@ -18,15 +18,15 @@ LIBRARY = sorted(p for pkg in ("minikv", "minikv_gpu") for p in (ROOT / pkg).rgl
 MAX_MODULE, MAX_FUNCTION, MAX_CLASS = 300, 60, 300
 
 # --- the layout: the core at the top of minikv/, one folder per chapter ----------------------------
-CORE = {"__init__", "__main__", "errors", "blas", "layers", "moe", "attention", "online_softmax", "seam", "kv_cache",
-        "model", "model_config",
+CORE = {"__init__", "__main__", "errors", "layers", "moe", "attention", "online_softmax", "seam", "kv_cache", "model",
+        "model_config",
         "sampling", "generate", "scheduler", "speculative", "perplexity"}
 FOLDERS = {"textbook", "paged", "mla", "quant", "window", "hybrid", "tiers", "parallel", "weights", "costs", "bench",
            "cli"}
 
 # Import directions: a module may import its own level or a lower one, never a higher one.
 LEVELS = [
-    ["minikv.errors", "minikv.blas"],
+    ["minikv.errors"],
     ["minikv.layers", "minikv.moe"],
     ["minikv.attention", "minikv.online_softmax", "minikv.seam"],
     ["minikv.kv_cache"],
