@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 
 from decode_cpu import TransformersRunner
-from decode_profile import OpTimer
+from decode_profile import OpTimer, set_blas_threads
 
-from minikv import blas
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.kv_cache import NoCache
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.threads is not None:
-        blas.set_threads(args.threads)
+        set_blas_threads(args.threads)
     path = find_model_file(args.model)
     model, tok = load_model(path)
     peer = TransformersRunner(path)
