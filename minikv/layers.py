@@ -52,9 +52,18 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp."""
+    """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp.
+
+    Returns a new array. The formula x * (1/2 + tanh(x/2) / 2) is evaluated in one scratch array, in place:
+    a 1,024-token pass's gate is 6 MB, and four fresh temporaries of that size cost more than the arithmetic.
+    """
     half = x.dtype.type(0.5)
-    return x * (half + half * np.tanh(half * x))
+    s = np.multiply(x, half)
+    np.tanh(s, out=s)
+    s *= half
+    s += half
+    s *= x
+    return s
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -64,7 +73,16 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     i.e. ``torch.nn.functional.gelu(x, approximate="tanh")``). Constants in x's dtype.
     """
     t = x.dtype.type
-    return t(0.5) * x * (t(1) + np.tanh(t(math.sqrt(2 / math.pi)) * (x + t(0.044715) * (x * x * x))))
+    s = x * x  # one scratch array, in place, as in ``silu`` (halving is exact, so the order of it is free)
+    s *= x
+    s *= t(0.044715)
+    s += x
+    s *= t(math.sqrt(2 / math.pi))
+    np.tanh(s, out=s)
+    s += t(1)
+    s *= x
+    s *= t(0.5)
+    return s
 
 
 # The gated MLP's activation, by transformers' name (``hidden_act`` / ``hidden_activation``):

@@ -134,7 +134,9 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
         return moe_mlp(h, lw.moe, cfg.moe)
     gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
     i = cfg.intermediate_size
-    out = linear(ACTIVATIONS[cfg.hidden_act](gate_up[:, :i]) * gate_up[:, i:], lw.w_down_t)
+    act = ACTIVATIONS[cfg.hidden_act](gate_up[:, :i])  # a new array: the product goes into it
+    act *= gate_up[:, i:]
+    out = linear(act, lw.w_down_t)
     return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
