@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from minikv.cli.common import print_json, progress
+from minikv.cli.common import CACHE_FLAGS, print_json, progress
 from minikv.errors import CacheFullError, InvalidInputError
 
 
 def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None:
     """Refuse (naming the flags) a budget too small for one longest request, or larger than the machine has."""
-    from minikv.generate import available_memory_bytes
+    from minikv.errors import available_memory_bytes
     from minikv.paged.allocator import num_blocks_for
 
     block = bytes_per_token * args.block_size
@@ -95,7 +95,7 @@ def _bench_offload(args) -> int:
     check_int("--host-blocks", args.host_blocks, error=InvalidInputError, hint="the tier needs a host pool")
     res = offload_benchmark(trace, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                             block_size=args.block_size, link=args.link,
-                            names={"block_size": "--block-size", "num_blocks": "--device-blocks",
+                            names={**CACHE_FLAGS, "num_blocks": "--device-blocks",
                                    "num_host_blocks": "--host-blocks"})
     print(format_offload(res))
     print(describe(machine_info()))
