@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from time import monotonic
 
 
 class MinikvError(Exception):
@@ -125,8 +126,23 @@ def check_choice(name: str, val, choices, *, error: type[MinikvError] = ConfigEr
 
 # --- memory: the one check before an allocation a user's number sizes ------------------------
 
+# The system's answer is kept this long (monotonic clock): a decode step checks its positions against it, and
+# reading /proc/meminfo costs about 25 us, as much as a small step's whole bookkeeping. A request far past the
+# memory is still refused: within half a second the answer moves by what was allocated meanwhile, no more.
+MEMORY_ANSWER_S = 0.5
+_memory_answer = [-math.inf, None]  # [monotonic() when read, bytes]
+
+
 def available_memory_bytes() -> int | None:
-    """RAM the system can give without swapping: /proc/meminfo's MemAvailable, else physical RAM, else None."""
+    """RAM the system can give without swapping: /proc/meminfo's MemAvailable, else physical RAM, else None;
+    read at most once per ``MEMORY_ANSWER_S`` seconds (the last answer is returned in between)."""
+    now = monotonic()
+    if now - _memory_answer[0] >= MEMORY_ANSWER_S:
+        _memory_answer[:] = [now, _read_available_memory()]
+    return _memory_answer[1]
+
+
+def _read_available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -20,10 +20,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv.errors import (  # noqa: F401  (available_memory_bytes: re-exported, patched by tests)
+from minikv.errors import (
     ConfigError,
     InvalidInputError,
-    available_memory_bytes,
     check_choice,
     check_int,
     check_memory,
@@ -186,19 +185,19 @@ def cache_kind(kind: str) -> CacheKind:
 
 
 def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int,
-                        block_size, eviction: dict | None) -> None:
+                        block_size, eviction: dict | None, names: dict) -> None:
     """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, before it is
     built, naming what sizes it: max_len (or block_size, when one block outgrows the sequence), or an
-    evicting cache's window / budget. A quantized cache counts its full-precision pool alone."""
-    per_token, ev = bytes_per_token(args, dtype), eviction or {}
+    evicting cache's window / budget, each as ``names`` calls it. A quantized cache counts its full-precision
+    pool alone."""
+    per_token, ev, name = bytes_per_token(args, dtype), eviction or {}, lambda arg: names.get(arg, arg)
     if spec.evicts:  # each slot also keeps its position, score and count (int64, float64, int64)
         per_token += 24 * args["num_layers"] * args.get("num_kv_heads", 1)
         if ev.get("layout", "contiguous") != "paged":
-            name = "window" if kind == "window" else "budget"
-            if isinstance(ev.get(name), int) and not isinstance(ev.get(name), bool):  # else the policy refuses it
-                check_memory(name, ev[name], per_token * max_seqs, have=available_memory_bytes(),
-                             what=f"a {kind} cache of {max_seqs} sequence(s) (K, V and bookkeeping per slot)",
-                             hint=f"the --{name} flag sets it")
+            arg = "window" if kind == "window" else "budget"
+            if isinstance(ev.get(arg), int) and not isinstance(ev.get(arg), bool):  # else the policy refuses it
+                check_memory(name(arg), ev[arg], per_token * max_seqs,
+                             what=f"a {kind} cache of {max_seqs} sequence(s) (K, V and bookkeeping per slot)")
             return
         slots = _paged_blocks(max_len, max_seqs, block_size) * block_size
     else:
@@ -206,12 +205,47 @@ def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: 
     if slots == 0:
         return
     if block_size is not None and slots > max_seqs * max_len and block_size > max_len:
-        name, value, fixed = "block_size", block_size, 0  # one block per sequence, bigger than the sequence
+        arg, value, fixed = "block_size", block_size, 0  # one block per sequence, bigger than the sequence
     else:
-        name, value, fixed = "max_len", max_len, (slots - max_seqs * max_len) * per_token
-    check_memory(name, value, per_token * max_seqs, fixed=fixed, have=available_memory_bytes(),
-                 what=f"a {kind} cache of {max_seqs} x {max_len} tokens (K and V)",
-                 hint="lower max_len (max_new_tokens), max_seqs or block_size")
+        arg, value, fixed = "max_len", max_len, (slots - max_seqs * max_len) * per_token
+    seqs = "" if max_seqs == 1 else ", max_seqs"
+    check_memory(name(arg), value, per_token * max_seqs, fixed=fixed,
+                 what=f"a {kind} cache of {max_seqs} x {max_len:,} tokens (K and V)",
+                 hint=f"lower {name('max_len')}{seqs} or {name('block_size')}")
+
+
+def _prepared(kind: str, model: Model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual,
+              names: dict | None):
+    """What ``make_cache`` builds from, checked: (spec, model args, max_len, max_seqs, dtype, block_size,
+    quantization options, names). A kivi* ``kv_dtype`` makes ``residual`` the block size (and its name)."""
+    names = dict(names or {})
+    spec = cache_kind(kind)
+    max_len = check_int(names.get("max_len", "max_len"), max_len, error=InvalidInputError)
+    max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
+    quant = {}
+    if kv_dtype not in (None, "fp32"):
+        from minikv.quant.formats import is_kivi
+
+        if kind != "paged":
+            raise ConfigError(f"kv_dtype={kv_dtype!r} needs the paged cache (quantized blocks); use kind='paged'")
+        if is_kivi(kv_dtype):
+            names["block_size"] = names.get("residual", "residual")
+            block_size = check_int(names["block_size"], residual, hint="KIVI's full-precision tokens, e.g. 128")
+        quant = dict(kv_dtype=kv_dtype, group=group)
+    dtype = model.dtype if dtype is None else dtype
+    return spec, model.new_cache_args(), max_len, max_seqs, dtype, block_size, quant, names
+
+
+def check_cache_memory(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
+                       dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128,
+                       eviction: dict | None = None, names: dict | None = None) -> None:
+    """Refuse (ConfigError, InvalidInputError) the cache ``make_cache`` would build with these arguments when
+    it would not fit in the memory available now, without building anything. ``names`` maps the arguments
+    (max_len, block_size, residual, window, budget) to what the user typed, e.g. a CLI flag, for the refusal:
+    a command checks before its first output, so that a refusal is all it prints."""
+    spec, args, max_len, max_seqs, dtype, block_size, _, names = _prepared(
+        kind, model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual, names)
+    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names)
 
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
@@ -223,7 +257,7 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
     ``minikv.quant.formats.KV_DTYPES``) stores K/V quantized (paged kind only; None or "fp32": unchanged);
     ``group`` is the values per scale of kivi*/fp8*; for kivi* the block holds ``residual`` tokens
     (KIVI's R; ``block_size`` is replaced by it). Refuses (ConfigError) a cache whose K and V
-    would not fit in the memory available now, before allocating anything.
+    would not fit in the memory available now, before allocating anything (``check_cache_memory``).
     ``eviction``: the options of a step-6 kind (window/h2o/snapkv): ``minikv.window.scores.make_policy``'s
     (window, sinks, positions, budget, recent, score, obs_window, kernel, pooling), ``layout``
     ("contiguous" slots, the default, or "paged" blocks) and ``log`` (keep the eviction log that
@@ -238,21 +272,9 @@ def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_s
         if dtype is not None:
             options["dtype"] = dtype
         return model.make_cache(kind, max_len, max_seqs, block_size, **options)
-    spec = cache_kind(kind)
-    max_len = check_int("max_len", max_len, error=InvalidInputError)
-    max_seqs = check_int("max_seqs", max_seqs, error=InvalidInputError)
-    dtype = model.dtype if dtype is None else dtype
-    args = model.new_cache_args()
-    quant = {}
-    if kv_dtype not in (None, "fp32"):
-        from minikv.quant.formats import is_kivi
-
-        if kind != "paged":
-            raise ConfigError(f"kv_dtype={kv_dtype!r} needs the paged cache (quantized blocks); use kind='paged'")
-        if is_kivi(kv_dtype):
-            block_size = check_int("residual", residual, hint="KIVI's full-precision tokens, e.g. 128")
-        quant = dict(kv_dtype=kv_dtype, group=group)
-    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction)
+    spec, args, max_len, max_seqs, dtype, block_size, quant, names = _prepared(
+        kind, model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual, None)
+    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names)
     if any(w is not None for w in model.config.layer_windows):  # step 9: sliding layers get their own caches
         from minikv.hybrid import hybrid_cache
 

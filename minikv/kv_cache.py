@@ -53,7 +53,6 @@ from minikv.errors import (
 from minikv.seam import after_write, outside_step, records_write
 
 CACHE_DTYPES = (np.float64, np.float32, np.float16)
-SMALL_STEP = 1 << 16  # a step of at most this many tokens needs at most 2 MiB of positions and slot maps
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,7 @@ class Step:
     @functools.cached_property
     def positions(self) -> np.ndarray:
         total = int(self.num_new.sum())
-        if total > SMALL_STEP:  # (asking the system for its free memory reads /proc/meminfo: ~25 us, each decode step)
-            check_memory("num_new", total, 32, what="the step's positions and slot maps", error=InvalidInputError)
+        check_memory("num_new", total, 32, what="the step's positions and slot maps", error=InvalidInputError)
         return np.concatenate([np.arange(p, p + n) for p, n in zip(self.past, self.num_new)])
 
     @property

@@ -54,6 +54,19 @@ def test_bench_batching_takes_the_gemma_file(gemma_file, capsys):
     assert res["identical_outputs"] and res["layer_windows"] == [4, 4, 4, 4, 4, None, 4]
 
 
+@pytest.mark.parametrize("flags, names", [
+    (["--block-size", "2147483640"], "--block-size=2,147,483,640: a block of every layer's K and V takes"),
+    (["--kv-budget-mib", "600"], "--kv-budget-mib=600 needs 2 x 629,145,600 bytes but only 1,073,741,824"),
+], ids=["block-size", "kv-budget-mib"])
+def test_bench_batching_refuses_a_block_or_budget_past_memory_before_building_it(gemma_file, flags, names, capsys,
+                                                                                monkeypatch):
+    # once a huge --block-size died in a NumPy traceback measuring one block, and a huge --kv-budget-mib was
+    # killed by the kernel; 600 MiB is harmless here, but 2 x 600 MiB is past the 1 GiB this test fakes
+    monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 2**30)
+    line = _refused(["bench", "batching", "--model", gemma_file, "--requests", "1", *flags], capsys)
+    assert names in line
+
+
 # --- bad files: one line, exit 2 -------------------------------------------------------------------------------
 
 def _refused(argv: list, capsys) -> str:

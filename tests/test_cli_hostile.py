@@ -295,17 +295,49 @@ def test_a_quantized_kv_dtype_on_a_layout_without_blocks_is_refused(command, cac
     assert_refused([*argv, "--cache", cache, "--kv-dtype", "fp32"], "--model")
 
 
-
-def test_compare_names_the_block_size_flag_that_outgrows_memory(monkeypatch, tmp_path):
-    # the paged caches' own check names their argument (block_size); the command names what the user typed
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    """A 2-layer GGUF whose cache takes 256 bytes a token (head_dim 8: the smallest the GPU kernels take)."""
     from minikv.weights.random_models import random_model
     from tests.test_gguf import TINY_TOKENS, write_tiny_gguf
 
-    path = tmp_path / "tiny.gguf"  # head_dim 8: the smallest the GPU kernels take; 256 bytes of K/V a token
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_tiny_gguf(path, random_model(num_layers=2, hidden_size=16, num_heads=2, num_kv_heads=2, head_dim=8,
                                        intermediate_size=12, vocab_size=len(TINY_TOKENS), max_position=64, seed=1))
+    return str(path)
+
+
+BIG = "2147483640"  # a multiple of 8, so that --residual stays a multiple of --group 8
+# every subcommand with a flag that sizes a cache: (argv, the start of the refusal that names the flag)
+CACHE_SIZE_FLAGS = [
+    (["generate", "--prompt", "hi", "--cache", "paged", "--block-size", BIG], "--block-size=2,147,483,640 needs"),
+    (["generate", "--prompt", "hi", "--kv-dtype", "kivi4", "--group", "8", "--residual", BIG],
+     "--residual=2,147,483,640 needs"),
+    (["generate", "--prompt", "hi", "--cache", "window", "--window", BIG], "--window=2,147,483,640 needs"),
+    (["generate", "--prompt", "hi", "--cache", "h2o", "--budget", BIG], "--budget=2,147,483,640 needs"),
+    (["generate", "--prompt", "hi", "--cache", "window", "--window", "4", "--layout", "paged", "--block-size", BIG],
+     "--block-size=2,147,483,640 needs"),
+    (["generate", "--prompt", "hi", "--cache", "window", "--window", "4", "--positions", "in-cache", "--layout",
+      "paged", "--max-new-tokens", BIG], "max_len (prompt + --max-new-tokens)=2,147,483,642 needs"),
+    (["perplexity", "--ids-file", "<ids>", "--cache", "paged", "--block-size", BIG], "--block-size=2,147,483,640"),
+    (["perplexity", "--ids-file", "<ids>", "--cache", "snapkv", "--budget", BIG], "--budget=2,147,483,640 needs"),
+    (["compare", "--prompt-ids", "1 2", "--backend", "sim", "--cache", "paged", "--block-size", BIG],
+     "--block-size=2,147,483,640 needs"),
+    (["bench", "offload", "--block-size", BIG], "--block-size=2,147,483,640 needs"),
+    (["bench", "batching", "--requests", "1", "--block-size", BIG], f"--block-size={BIG}"),
+]
+
+
+@pytest.mark.parametrize("argv, names", CACHE_SIZE_FLAGS, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CACHE_SIZE_FLAGS])
+def test_a_cache_size_flag_past_memory_is_refused_by_its_flag_before_any_output(argv, names, tiny_gguf, input_files,
+                                                                                monkeypatch):
+    # the caches' own checks name their arguments (block_size, window); the command names what the user typed,
+    # and checks before it echoes the prompt or starts a progress bar
     monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 2**30)
-    argv = ["compare", "--prompt-ids", "1 2", "--model", str(path), "--backend", "sim", "--cache", "paged",
-            "--block-size", "2147483647"]
-    line = assert_refused(argv, "--block-size=2,147,483,647 needs")
-    assert "the largest --block-size that fits is 4,194,303" in line and "one K/V block" in line
+    model = [] if argv[0] == "bench" else ["--model", tiny_gguf]
+    argv = [input_files["good"] if a == "<ids>" else a for a in argv] + model
+    line = assert_refused(argv, names)
+    if "needs" in names:
+        assert f"the largest {names.split('=')[0]} that fits is" in line
+    if "--cache paged --block-size" in " ".join(argv):  # 256 bytes a token, 2^30 available
+        assert "the largest --block-size that fits is 4,194,304" in line, line

@@ -192,6 +192,17 @@ def test_every_paged_pool_is_memory_checked_before_a_block_is_built(field, sizes
         PagedKVCache(num_layers=30, num_kv_heads=3, head_dim=64, **sizes)
 
 
+def test_a_hybrid_paged_pool_is_memory_checked_before_it_is_built():
+    # what bench batching --model measures a block with; it allocated first (a NumPy MemoryError, or worse)
+    from minikv.errors import ConfigError
+    from minikv.hybrid import HybridPagedKVCache
+
+    with pytest.raises(ConfigError, match="block_size=2,147,483,647 needs .* the largest block_size that fits is"):
+        HybridPagedKVCache((4, 4, None), num_kv_heads=3, head_dim=64, num_blocks=4, block_size=2**31 - 1)
+    with pytest.raises(ConfigError, match="num_blocks=2,147,483,647 needs .* the largest num_blocks that fits is"):
+        HybridPagedKVCache((4, 4, None), num_kv_heads=3, head_dim=64, num_blocks=2**31 - 1, block_size=16)
+
+
 @pytest.mark.model
 def test_chat_keeps_control_token_text_typed_by_the_user_as_text(smollm2_path):
     from minikv.weights.gguf import load_tokenizer

@@ -111,7 +111,7 @@ def test_make_cache_refuses_a_cache_larger_than_memory(model, monkeypatch):
     from minikv.errors import ConfigError
 
     per_token = 2 * 3 * 2 * 8 * 4  # K and V x layers x kv heads x head_dim x float32 bytes
-    monkeypatch.setattr(gen, "available_memory_bytes", lambda: 100 * per_token)
+    monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 100 * per_token)
     assert gen.make_cache("contiguous", model, max_len=100).bytes_allocated() == 100 * per_token
     with pytest.raises(ConfigError, match=f"needs {101 * per_token:,} bytes"):
         gen.make_cache("contiguous", model, max_len=101)

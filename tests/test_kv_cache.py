@@ -248,3 +248,39 @@ def test_attend_before_write_and_a_bad_layer_are_typed_errors(kind, extra):
                 cache.write(0, k, k)
                 cache.attend(layer, q)
         assert cache.length(0) == 0
+
+
+# --- the memory check of every step: the system is asked at most once per MEMORY_ANSWER_S --------------------
+
+def test_the_system_memory_answer_is_kept_for_a_moment_then_read_again(monkeypatch):
+    import minikv.errors as errors
+
+    reads, clock = [], [100.0]
+    monkeypatch.setattr(errors, "_memory_answer", [-np.inf, None])  # fresh, whatever ran before
+    monkeypatch.setattr(errors, "_read_available_memory", lambda: reads.append(clock[0]) or 1000 * len(reads))
+    monkeypatch.setattr(errors, "monotonic", lambda: clock[0])
+    assert errors.available_memory_bytes() == 1000
+    clock[0] += errors.MEMORY_ANSWER_S / 2
+    assert errors.available_memory_bytes() == 1000 and len(reads) == 1  # kept: no second read
+    clock[0] += errors.MEMORY_ANSWER_S / 2
+    assert errors.available_memory_bytes() == 2000 and len(reads) == 2  # stale: read again
+
+
+def test_a_request_far_past_the_memory_right_after_a_small_one_is_still_refused():
+    from minikv.errors import available_memory_bytes, check_memory
+
+    check_memory("small", 1, 1, what="one byte")  # reads the system's answer and keeps it
+    far = 2 * available_memory_bytes() + 2**30
+    with pytest.raises(ConfigError, match=f"far={far:,} needs {far:,} bytes"):
+        check_memory("far", far, 1, what="twice the memory")
+
+
+def test_every_step_is_checked_against_the_memory_small_ones_too(monkeypatch):
+    # a step's positions and slot maps take 32 bytes a token; no step is too small to be checked
+    model = random_model(dtype=np.float64)
+    cache = cache_for(model, max_len=128)
+    cache.add_sequence(0)
+    monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 32 * 99)
+    with pytest.raises(InvalidInputError, match="num_new=100 needs 3,200 bytes"):
+        model.forward([np.arange(100)], cache)
+    assert cache.length(0) == 0  # refused before anything was written

@@ -162,3 +162,42 @@ def test_cli_prints_and_json(capsys):
     assert rep["max_sequences"] == 80 * 10**9 // rep["bytes_per_sequence"]
     assert main(["memory", "--model", "no/such/dir"]) == 2
     assert "ModelFileNotFoundError" in capsys.readouterr().err
+
+
+# --- one table of names: the planner plans every minikv.costs preset, and a model's shapes live once ----------
+
+def test_every_costs_preset_is_a_planner_preset_with_the_same_kv_bytes():
+    from minikv.costs.hybrid import HYBRID_PRESETS, hybrid_kv_bytes
+    from minikv.costs.planner import preset_names
+
+    for name, shape in PRESETS.items():
+        plan = plan_from_path(name)
+        assert sum(v for _, v in plan.layers) * 2 == kv_bytes_per_token(shape, "fp16"), name
+        assert plan.max_position == shape.max_context and plan.source  # (deepseek-v3: the planner cites MLA's paper)
+    gemma, windows = HYBRID_PRESETS["gemma3-270m"]
+    plan = plan_from_path("gemma3-270m")
+    assert [w for w, _ in plan.layers] == list(windows) and plan.by_type(2) == {"sliding 512": (15, 1024),
+                                                                                "full": (3, 1024)}
+    assert plan.bytes_per_sequence(2048, 2, all_full=True) == hybrid_kv_bytes(gemma, windows, 2048, "bf16")[
+        "all_full_bytes"]
+    names = preset_names()
+    assert len(names) == len(set(names)) and set(names) == {*PLANS, *PRESETS, *HYBRID_PRESETS}
+
+
+def test_llama_31_8b_is_llama3_8b_shapes_with_its_own_context():
+    # one model's shapes in one place: the planner's Llama 3.1 8B is minikv.costs' llama3-8b (Llama 3 8B) at 128k
+    llama3, llama31 = plan_from_path("llama3-8b"), PLANS["llama-3.1-8b"]
+    assert llama31.layers == llama3.layers and (llama3.max_position, llama31.max_position) == (8192, 131072)
+    assert PLANS["deepseek-v3"].layers == plan_from_path("deepseek-v3").layers == ((None, 576),) * 61
+
+
+def test_cli_lists_and_plans_every_preset(capsys):
+    from minikv.cli import main
+    from minikv.costs.planner import preset_names
+
+    assert main(["memory", "--list-presets"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert sorted(listed) == sorted(preset_names())
+    assert main(["memory", "--model", "llama3-70b", "--json"]) == 0  # a --preset name, planned
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["layers"] == {"full": {"count": 80, "bytes_per_token": 2 * 8 * 128 * 2}} and rep["context"] == 131072

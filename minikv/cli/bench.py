@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from minikv.cli.common import print_json, progress
+from minikv.cli.common import CACHE_FLAGS, print_json, progress
 from minikv.errors import CacheFullError, InvalidInputError
 
 
 def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None:
     """Refuse (naming the flags) a budget too small for one longest request, or larger than the machine has."""
-    from minikv.generate import available_memory_bytes
     from minikv.paged.allocator import num_blocks_for
 
     block = bytes_per_token * args.block_size
@@ -19,7 +18,13 @@ def _check_budget(args, budget: int, bytes_per_token: int, max_len: int) -> None
                                 f"({max_len} tokens at {bytes_per_token} bytes each); use --kv-budget-mib >= "
                                 f"{need * block / 2**20:g} or a smaller --block-size")
     # the paged and the contiguous pools may overlap for a moment; swap adds a host pool as large
-    pools = 3 if args.preemption == "swap" else 2
+    _check_budget_memory(args, budget, pools=3 if args.preemption == "swap" else 2)
+
+
+def _check_budget_memory(args, budget: int, pools: int) -> None:
+    """Refuse (naming --kv-budget-mib) ``pools`` pools of ``budget`` bytes that the memory available cannot hold."""
+    from minikv.errors import available_memory_bytes
+
     have = available_memory_bytes()
     if have is not None and pools * budget > have:
         raise InvalidInputError(f"--kv-budget-mib={args.kv_budget_mib:g} needs {pools} x {budget:,} bytes but "
@@ -63,9 +68,19 @@ def _bench_hybrid(args, workload) -> int:
     )
     from minikv.bench.machine import describe, machine_info
     from minikv.cli.common import load_model_arg
+    from minikv.generate import bytes_per_token
 
     model = geometry_model(load_model_arg(args.model)[0].config, workload.vocab_size, seed=args.seed)
-    budget, need = int(args.kv_budget_mib * 2**20), longest_request_bytes(model, workload, args.block_size)
+    budget = int(args.kv_budget_mib * 2**20)
+    _check_budget_memory(args, budget, pools=2)  # the hybrid side's pool and the all-full side's overlap a moment
+    # a block of every layer: the all-full side needs at least that much per request, so a smaller budget cannot
+    # hold the longest request anyway; refused here, before longest_request_bytes builds a block to measure it
+    block = bytes_per_token(model.new_cache_args(), model.dtype) * args.block_size
+    if block > budget:
+        raise InvalidInputError(f"--block-size={args.block_size:,}: a block of every layer's K and V takes {block:,} "
+                                f"bytes, more than --kv-budget-mib={args.kv_budget_mib:g} ({budget:,} bytes); use a "
+                                "smaller --block-size or a larger --kv-budget-mib")
+    need = longest_request_bytes(model, workload, args.block_size)
     if budget < need:
         raise InvalidInputError(f"--kv-budget-mib={args.kv_budget_mib:g} cannot hold the workload's longest request "
                                 f"({workload.max_len} tokens in every group of this model's cache); use "
@@ -95,7 +110,7 @@ def _bench_offload(args) -> int:
     check_int("--host-blocks", args.host_blocks, error=InvalidInputError, hint="the tier needs a host pool")
     res = offload_benchmark(trace, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                             block_size=args.block_size, link=args.link,
-                            names={"block_size": "--block-size", "num_blocks": "--device-blocks",
+                            names={**CACHE_FLAGS, "num_blocks": "--device-blocks",
                                    "num_host_blocks": "--host-blocks"})
     print(format_offload(res))
     print(describe(machine_info()))

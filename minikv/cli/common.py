@@ -358,6 +358,24 @@ def resolve_cache(args) -> str:
     return args.cache
 
 
+# make_cache's arguments -> the flags that set them, so that a cache's memory refusal names what the user typed
+CACHE_FLAGS = {"block_size": "--block-size", "residual": "--residual", "window": "--window", "budget": "--budget"}
+
+
+def check_cache_fits(args, model, max_len: int, length: str, eviction: dict | None = None, dtype=None,
+                     cache: str | None = None) -> None:
+    """Refuse, naming the flags, the ``--cache`` (or ``cache``) of ``max_len`` tokens that would not fit in
+    the memory available now (``minikv.generate.check_cache_memory``); a subcommand calls it before its first
+    output, so that the refusal is the only thing it prints. ``length`` says which flags set ``max_len``
+    (e.g. "prompt + --max-new-tokens"); ``eviction``: the run's ``eviction_options``."""
+    from minikv.generate import check_cache_memory
+
+    options = {name: getattr(args, name) for name in ("block_size", "kv_dtype", "group", "residual")
+               if hasattr(args, name)}  # (demo has none of them; compare has --block-size alone)
+    check_cache_memory(cache or args.cache, model, max_len, dtype=dtype, eviction=eviction, **options,
+                       names={**CACHE_FLAGS, "max_len": f"max_len ({length})"})
+
+
 def progress(total: int | None, desc: str):
     """A tqdm bar on stderr (stdout stays clean for the text and the final JSON line)."""
     from tqdm import tqdm

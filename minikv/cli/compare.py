@@ -6,7 +6,14 @@ lazily, so ``minikv`` itself never depends on the GPU wing.
 
 from __future__ import annotations
 
-from minikv.cli.common import add_model_flag, add_prompt_flags, check_ids, load_model_arg, print_json
+from minikv.cli.common import (
+    add_model_flag,
+    add_prompt_flags,
+    check_cache_fits,
+    check_ids,
+    load_model_arg,
+    print_json,
+)
 from minikv.cli.text import cache_help, prompt_ids_of
 from minikv.generate import CACHE_KINDS
 
@@ -57,27 +64,13 @@ def _model_and_ids(args):
     return model, ids, label if tok is not None else f"checkpoint {args.model}"
 
 
-def _check_block_memory(args, model, run_len: int) -> None:
-    """With --cache paged, refuse a --block-size whose one block outgrows the memory, naming the flag, before
-    any output (the caches' own check, deeper down, can only name their argument, ``block_size``)."""
-    if args.cache != "paged":
-        return
-    from minikv.errors import check_memory
-    from minikv.generate import bytes_per_token
-    from minikv.paged.cache import BLOCK_BOOKKEEPING_BYTES
-
-    check_memory("--block-size", args.block_size, bytes_per_token(model.new_cache_args(), args.cache_dtype),
-                 fixed=BLOCK_BOOKKEEPING_BYTES, what="one K/V block",
-                 hint=f"a block longer than the run's {run_len} tokens (prompt + --max-new-tokens) holds nothing more")
-
-
 def _run_compare(args) -> int:
     from minikv_gpu import runtime
     from minikv_gpu.compare import DEFAULT_TOL, compare
 
     rt = runtime.get_runtime(args.backend)  # first: a machine that cannot run CuPy says why in one line, at once
     model, ids, label = _model_and_ids(args)
-    _check_block_memory(args, model, len(ids) + args.max_new_tokens)
+    check_cache_fits(args, model, len(ids) + args.max_new_tokens, "prompt + --max-new-tokens", dtype=args.cache_dtype)
     paged = f", block size {args.block_size}" if args.cache == "paged" else ""
     print(f"{label}; prompt {len(ids)} tokens; GPU path: {rt.name}, cache {args.cache} ({args.cache_dtype}{paged})"
           f"{', fused decode kernel' if args.fused else ''}")

@@ -111,11 +111,15 @@ def _run_memory(args) -> int:
 
     if args.model is not None:  # the capacity planner: minikv/cli/plan.py
         return plan.run_plan(args)
-    if args.list_presets:
+    if args.list_presets:  # one list: --preset takes the shapes, --model (the planner) every name
         from minikv.costs.hybrid import HYBRID_PRESETS
+        from minikv.costs.planner import PLANS
 
         for name, shape in {**PRESETS, **{k: v[0] for k, v in HYBRID_PRESETS.items()}}.items():
             print(f"{name:16s} {shape.attention_kind}  {shape.source}")
+        for name, kv in PLANS.items():
+            if name not in PRESETS:
+                print(f"{name:16s} KV only (--model, not --preset)  {kv.source}")
         return 0
     try:
         base, windows = _hybrid(args)

@@ -15,6 +15,7 @@ from minikv.cli.common import (
     add_eviction_flags,
     add_kv_dtype_flags,
     add_model_flag,
+    check_cache_fits,
     check_ids,
     eviction_options,
     load_model_arg,
@@ -169,6 +170,10 @@ def _run_perplexity(args) -> int:
             read_input_file(args.text_file, "--text-file", limit=16 * (args.max_tokens + _CUT_MARGIN))
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
+    length = f"the tokens fed from {where.split('=')[0]}, cut by --max-tokens"
+    check_cache_fits(args, model, len(ids) - 1, length, eviction=args.eviction)
+    if args.eviction is not None:  # the exact run beside it keeps every token
+        check_cache_fits(args, model, len(ids) - 1, length, cache="contiguous")
     factory = _lossy_factory(args, model)
     runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
     with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar, guard(runner):

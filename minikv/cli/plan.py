@@ -1,6 +1,7 @@
 """``minikv memory --model PATH``: the KV capacity planner (``minikv.costs.planner``) as a command.
 
-PATH is a Hugging Face directory, a bare config.json, a GGUF file or a preset name (``minikv.costs.planner.PLANS``).
+PATH is a Hugging Face directory, a bare config.json, a GGUF file or a preset name (``minikv.costs.planner
+.preset_names``: the planner's ``PLANS`` and every ``--preset``; ``minikv memory --list-presets`` lists them).
 It prints the KV bytes per token of each layer type at the KV dtype, what one sequence of ``--context`` tokens
 holds (per layer, and if every layer were sized full), and the two capacity answers under ``--kv-budget``: the
 most sequences at ``--context``, the longest context at ``--sequences``. ``--json`` prints the same as one line.
@@ -17,7 +18,8 @@ def add_plan_flags(p) -> None:
     from minikv.costs.planner import KV_ITEMSIZE
 
     g = p.add_argument_group("capacity planner (with --model)")
-    g.add_argument("--model", default=None, help="HF directory, config.json, GGUF file or planner preset: plan its KV")
+    g.add_argument("--model", default=None,
+                   help="HF directory, config.json, GGUF file or preset (--list-presets): plan its KV")
     g.add_argument("--kv", choices=sorted(KV_ITEMSIZE), default="bf16", help="KV dtype for --model (default bf16)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per block (default 16): the planner's rounding, a hybrid --preset's paged numbers")

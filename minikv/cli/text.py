@@ -9,6 +9,7 @@ from minikv.cli.common import (
     add_kv_dtype_flags,
     add_model_flag,
     add_prompt_flags,
+    check_cache_fits,
     check_ids,
     eviction_options,
     load_model_arg,
@@ -139,9 +140,11 @@ def _run_generate(args) -> int:
     quant = dict(kv_dtype=args.kv_dtype, group=args.group, residual=args.residual, eviction=eviction_options(args))
     model, tok = load_model_arg(args.model)
     prompt_ids = prompt_ids_of(args, model, tok, args.chat)
-    policy = _policy_of(model, args, quant)
-    if policy is None or policy["positions"] != "in-cache":  # in-cache positions run past the context
+    if (quant["eviction"] or {}).get("positions") != "in-cache":  # in-cache positions run past the context
         check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    check_cache_fits(args, model, len(prompt_ids) + args.max_new_tokens, "prompt + --max-new-tokens",
+                     eviction=quant["eviction"])
+    policy = _policy_of(model, args, quant)
     runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel); refused before any output
     if not args.chat:
         echo = args.prompt if args.prompt_ids is None else (
@@ -219,6 +222,8 @@ def _run_demo(args) -> int:
     chat = args.prompt_ids is None and getattr(tok, "chat_template", None) is not None
     prompt_ids = prompt_ids_of(args, model, tok, chat)
     check_context(model.config.max_position, len(prompt_ids), args.max_new_tokens, name="--max-new-tokens")
+    check_cache_fits(args, model, len(prompt_ids) + args.max_new_tokens, "prompt + --max-new-tokens",
+                     cache="contiguous")
     name = ("SmolLM2-135M" if args.model is None else args.model) if tok is not None else f"checkpoint {args.model}"
     print(f"{name}, greedy, prompt of {len(prompt_ids)} tokens{' (chat template)' if chat else ''}, "
           f"up to {args.max_new_tokens} new tokens\n")

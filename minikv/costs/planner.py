@@ -1,10 +1,11 @@
 """The KV capacity planner: how much cache a model needs, per layer type, and what a budget buys.
 
-Any config.json (a Hugging Face directory, a bare file, or one of ``PLANS``' real configs) becomes a
-``KVPlan``: per layer, the values one token stores (K and V: 2 x Hkv x D; an MLA layer caches one
-latent of kv_lora_rank + rope_dim) and the keys it keeps (a full layer: the whole context C; a
-sliding layer: min(C, W)). From that, at a KV dtype of ``itemsize`` bytes and a block size b
-(a paged cache allocates whole blocks, so a layer holding n tokens pays for ceil(n / b) * b):
+Any config.json (a Hugging Face directory, a bare file, or one of ``PLANS``' real configs), or any of
+``minikv.costs``' presets (``plan_from_shape``), becomes a ``KVPlan``: per layer, the values one token
+stores (K and V: 2 x Hkv x D; an MLA layer caches one latent of kv_lora_rank + rope_dim) and the keys it
+keeps (a full layer: the whole context C; a sliding layer: min(C, W)). From that, at a KV dtype of
+``itemsize`` bytes and a block size b (a paged cache allocates whole blocks, so a layer holding n tokens
+pays for ceil(n / b) * b):
 
     bytes_per_sequence(C) = sum_l  ceil(min(C, W_l) / b) * b * values_l * itemsize
     max_sequences(budget, C) = floor(budget / bytes_per_sequence(C))
@@ -23,7 +24,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
+from minikv.costs.presets import PRESETS
+from minikv.costs.shape import ModelShape
 from minikv.errors import ModelFileNotFoundError, ModelFormatError
 from minikv.weights.families import qwen_layer_types
 from minikv.weights.gemma import gemma3_layer_types
@@ -127,16 +131,49 @@ def plan_from_config(cfg: dict, name: str = "config.json", source: str = "") -> 
                   source)
 
 
+def plan_from_shape(shape: ModelShape, windows: Sequence | None = None, name: str | None = None,
+                    max_position: int | None = None, source: str | None = None) -> KVPlan:
+    """The ``KVPlan`` of a ``minikv.costs`` shape: per layer 2 Hkv D values a token (MLA: the latent's
+    kv_lora_rank + rope_dim), each layer's window from ``windows`` (default: every layer full); the name,
+    context (default ``max_context``, else 4096) and source are the shape's unless given."""
+    values = shape.kv_lora_rank + shape.rope_dim if shape.kv_lora_rank else 2 * shape.num_kv_heads * shape.head_dim
+    windows = [None] * shape.num_layers if windows is None else list(windows)
+    return KVPlan(name or shape.name, tuple((w, values) for w in windows),
+                  max_position or shape.max_context or 4096, shape.source if source is None else source)
+
+
+def preset_names() -> list:
+    """Every name ``plan_from_path`` knows: ``PLANS`` (the planner's own configs) and the ``minikv.costs``
+    presets (``PRESETS``, ``HYBRID_PRESETS``), one model a name."""
+    from minikv.costs.hybrid import HYBRID_PRESETS
+
+    return [*PLANS, *(n for n in (*PRESETS, *HYBRID_PRESETS) if n not in PLANS)]
+
+
+def _preset_plan(name: str) -> KVPlan | None:
+    from minikv.costs.hybrid import HYBRID_PRESETS
+
+    if name in PLANS:
+        return PLANS[name]
+    if name in PRESETS:
+        return plan_from_shape(PRESETS[name])
+    if name in HYBRID_PRESETS:
+        return plan_from_shape(*HYBRID_PRESETS[name])
+    return None
+
+
 def plan_from_path(path) -> KVPlan:
-    """A ``KVPlan`` from a Hugging Face directory, a bare config.json, a GGUF file, or a preset name."""
-    if str(path) in PLANS:
-        return PLANS[str(path)]
+    """A ``KVPlan`` from a Hugging Face directory, a bare config.json, a GGUF file, or a preset name
+    (``preset_names``)."""
+    plan = _preset_plan(str(path))
+    if plan is not None:
+        return plan
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
         raise ModelFileNotFoundError(f"{path}: no such file, directory with config.json, or preset (presets: "
-                                     f"{', '.join(PLANS)})")
+                                     f"{', '.join(preset_names())})")
     if p.suffix == ".gguf":
         return _plan_from_gguf(p)
     try:
@@ -177,8 +214,10 @@ PLANS = {p.name: p for p in (
             use_sliding_window=False),
     _preset("qwen3-8b", _HF.format("Qwen/Qwen3-8B"), num_hidden_layers=36, num_attention_heads=32,
             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
-    _preset("llama-3.1-8b", _HF.format("meta-llama/Llama-3.1-8B"), num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, hidden_size=4096, max_position_embeddings=131072),
+    # Llama 3.1 8B has Llama 3 8B's shapes (minikv.costs' llama3-8b) and a 128k context instead of 8k
+    plan_from_shape(PRESETS["llama3-8b"], name="llama-3.1-8b", max_position=131072,
+                    source=_HF.format("meta-llama/Llama-3.1-8B") + " (the shapes of llama3-8b, "
+                    "max_position_embeddings 131072)"),
     _preset("mistral-7b-v0.1", _HF.format("mistralai/Mistral-7B-v0.1"), num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, max_position_embeddings=32768,
             sliding_window=4096, model_type="mistral"),
@@ -194,9 +233,8 @@ PLANS = {p.name: p for p in (
     _preset("gpt-oss-120b", _HF.format("openai/gpt-oss-120b"), num_hidden_layers=36, num_attention_heads=64,
             num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, sliding_window=128,
             model_type="gpt_oss"),
-    _preset("deepseek-v3", _HF.format("deepseek-ai/DeepSeek-V3") + "; DeepSeek-V2 paper (arXiv:2405.04434) "
-            "section 2.1: MLA caches (d_c + d_h^R) values per token and layer", num_hidden_layers=61,
-            num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=163840),
+    plan_from_shape(PRESETS["deepseek-v3"], source=_HF.format("deepseek-ai/DeepSeek-V3") + "; DeepSeek-V2 paper "
+                    "(arXiv:2405.04434) section 2.1: MLA caches (d_c + d_h^R) values per token and layer"),
     _preset("ministral-8b", "transformers docs/source/en/model_doc/ministral.md (1 full attention layer, then 3 "
             "sliding, 128K context; 32k windows: vLLM PR #9414 caps max_model_len at the smallest window)",
             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -41,7 +41,7 @@ from minikv.hybrid.paged import GroupBlockManager, GroupPagedKVCache, SlidingBlo
 from minikv.hybrid.pool import SharedPool, group_layers
 from minikv.kv_cache import KVCacheBase
 from minikv.paged.allocator import num_blocks_for
-from minikv.paged.cache import PagedKVCache
+from minikv.paged.cache import PagedKVCache, check_pool_memory
 from minikv.paged.manager import _token_list
 from minikv.window.manager import HOLE
 
@@ -205,8 +205,10 @@ class HybridPagedKVCache(HybridKVCache, PagedKVCache):
         self.block_size = check_int("block_size", block_size)
         self.blocks_per_tile, self.num_host_blocks, self.rollback = blocks_per_tile, 0, rollback
         plan = group_layers(windows)
-        pool = SharedPool(self.num_blocks)
-        shape = (max(len(layers) for _, layers in plan), self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        depth = max(len(layers) for _, layers in plan)  # a block holds the largest group's layers
+        check_pool_memory(depth, num_kv_heads, head_dim, self.num_blocks, self.block_size, self.dtype)
+        pool = SharedPool(self.num_blocks)  # (its free list alone is 2^31 entries for num_blocks = 2^31 - 1)
+        shape = (depth, self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.k_pool, self.v_pool = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
         managers, groups, anchor = [], [], None
         for w, layers in plan:
