@@ -22,6 +22,8 @@ reported too: ``-fsanitize=alignment``),
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -264,6 +266,20 @@ def scan_source(source: str, filename: str, defines: dict | None, include_dirs: 
     return _run(cmd, f"preprocessing {filename}", stdin=f'#line 1 "{filename}"\n' + rewrite_extern_shared(source))
 
 
+@contextlib.contextmanager
+def _building(key: str):
+    """Hold ``<key>.lock`` (an flock: the system drops it when the process ends, however it ends) while
+    one entry is looked up and, if missing, compiled: a process (or thread) that wants the same entry
+    meanwhile waits and then loads it instead of compiling it a second time (``make test`` runs the
+    kernel tests in two processes at once)."""
+    with open(cache_dir() / f"{key}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(source: str, filename: str, defines: dict | None = None, source_dir: Path | None = None,
           opts: BuildOptions | None = None) -> BuiltModule:
     """Compile ``source`` (shown as ``filename`` in messages) unless the cache already holds it."""
@@ -275,28 +291,30 @@ def build(source: str, filename: str, defines: dict | None = None, source_dir: P
     key = _digest(_FORMAT_VERSION, _compiler_id(cxx), " ".join(flags), _headers_digest(), filename, source,
                   includes_digest(source, include_dirs), *(o.name for o in runtime_objs))
     so_path, meta_path = cache_dir() / f"{key}.so", cache_dir() / f"{key}.json"
-    if intact(so_path) and intact(meta_path):  # a corrupt entry is reported, removed and rebuilt below
-        try:
-            meta = json.loads(meta_path.read_text())
-            kernels = tuple(KernelDecl(k["name"], tuple(Param(**p) for p in k["params"])) for k in meta["kernels"])
-            return BuiltModule(so_path, kernels, opts.asan)
-        except (ValueError, KeyError, TypeError) as e:
-            report_unreadable(meta_path, e)
+    with _building(key):
+        if intact(so_path) and intact(meta_path):  # a corrupt entry is reported, removed and rebuilt below
+            try:
+                meta = json.loads(meta_path.read_text())
+                kernels = tuple(KernelDecl(k["name"], tuple(Param(**p) for p in k["params"])) for k in meta["kernels"])
+                return BuiltModule(so_path, kernels, opts.asan)
+            except (ValueError, KeyError, TypeError) as e:
+                report_unreadable(meta_path, e)
 
-    scanned = scan_source(source, filename, defines, include_dirs, cxx)
-    kernels = find_kernels(scanned, marker=KERNEL_MARK)
-    if not kernels:
-        raise KernelCompileError(f"{filename} defines no __global__ kernel")
-    wrapper = f'#line 1 "{filename}"\n' + rewrite_extern_shared(source) + "\n"
-    wrapper += _generate_wrapper(kernels, find_extern_shared(scanned), opts.asan)
-    cpp_path = cache_dir() / f"{key}.cpp"  # kept next to the .so, for the curious
-    _atomic_write(cpp_path, lambda tmp: tmp.write_text(wrapper))
-    cmd = [cxx, *flags, "-fno-weak",  # one TU: no COMDAT, so static __shared__ in inline functions can share a section
-           "-fno-exceptions", "-include", "cuda_sim.h", "-x", "c++", str(cpp_path), "-x", "none",
-           *map(str, runtime_objs), "-shared"]
-    _atomic_write(so_path, lambda tmp: _run(cmd + ["-o", str(tmp)], f"compiling {filename} for the CPU simulator"))
-    record(so_path, _atomic_write)
-    meta = {"kernels": [{"name": k.name, "params": [p.__dict__ for p in k.params]} for k in kernels]}
-    _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta)))
-    record(meta_path, _atomic_write)
-    return BuiltModule(so_path, tuple(kernels), opts.asan)
+        scanned = scan_source(source, filename, defines, include_dirs, cxx)
+        kernels = find_kernels(scanned, marker=KERNEL_MARK)
+        if not kernels:
+            raise KernelCompileError(f"{filename} defines no __global__ kernel")
+        wrapper = f'#line 1 "{filename}"\n' + rewrite_extern_shared(source) + "\n"
+        wrapper += _generate_wrapper(kernels, find_extern_shared(scanned), opts.asan)
+        cpp_path = cache_dir() / f"{key}.cpp"  # kept next to the .so, for the curious
+        _atomic_write(cpp_path, lambda tmp: tmp.write_text(wrapper))
+        # -fno-weak: one TU, no COMDAT, so static __shared__ in inline functions can share a section
+        cmd = [cxx, *flags, "-fno-weak",
+               "-fno-exceptions", "-include", "cuda_sim.h", "-x", "c++", str(cpp_path), "-x", "none",
+               *map(str, runtime_objs), "-shared"]
+        _atomic_write(so_path, lambda tmp: _run(cmd + ["-o", str(tmp)], f"compiling {filename} for the CPU simulator"))
+        record(so_path, _atomic_write)
+        meta = {"kernels": [{"name": k.name, "params": [p.__dict__ for p in k.params]} for k in kernels]}
+        _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta)))
+        record(meta_path, _atomic_write)
+        return BuiltModule(so_path, tuple(kernels), opts.asan)

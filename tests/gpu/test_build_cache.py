@@ -8,7 +8,10 @@ build must recompile: the kernel's result changes; a broken header must fail to 
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -113,3 +116,34 @@ def test_a_corrupt_cache_entry_is_reported_and_rebuilt(sim_rt, tree, tmp_path, m
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # rebuilt: the next run finds it intact and says nothing
         assert _run_fill(tree) == 1.0
+
+
+def test_two_builders_of_one_entry_compile_it_once(tmp_path, monkeypatch):
+    """``make test`` runs the kernel tests in two processes over one cache: while one compiles an entry, the
+    other waits for it (an flock per entry) and loads it, instead of compiling the same module a second time.
+    Two threads here, each opening the lock file itself, as two processes would; the compile is slowed so that
+    both ask while it is missing."""
+    from minikv_gpu.cpu_sim import build as sim_build
+
+    monkeypatch.setenv("MINIKV_CACHE_DIR", str(tmp_path))
+    compiles, real_run = [], sim_build._run
+
+    def slow_run(cmd, what, stdin=None):
+        if what.startswith("compiling race.cu"):
+            compiles.append(what)
+            time.sleep(1.0)
+        return real_run(cmd, what, stdin)
+
+    monkeypatch.setattr(sim_build, "_run", slow_run)
+    source = 'extern "C" __global__ void one(int* out) { out[0] = 1; }'
+    sim_build.build(source, "warm.cu")  # the runtime objects, compiled once before the race
+    start = threading.Barrier(2)
+
+    def builder():
+        start.wait()
+        return sim_build.build(source, "race.cu")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first, second = pool.map(lambda _: builder(), range(2))
+    assert len(compiles) == 1, compiles
+    assert first.path == second.path and [k.name for k in second.kernels] == ["one"]
