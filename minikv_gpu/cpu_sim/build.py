@@ -11,6 +11,9 @@ Steps (cached on disk by a hash of everything that goes in: the source, every lo
    ``extern __shared__`` array aliases, and the C entry points that Python calls;
 4. link it with the runtime (``sim_runtime.cpp`` + ``switch_x86_64.S``, compiled once).
 
+One process (or thread) at a time looks an entry up and compiles it if missing (an flock on
+``<key>.lock``): another that wants the same entry meanwhile waits and loads it.
+
 Every cache entry carries the sha256 of its bytes (``entries``): a corrupt one is reported
 (``RuntimeWarning`` naming the file), removed and rebuilt, instead of breaking every later run.
 
