@@ -185,6 +185,11 @@ def speculative_decode(model, cache, ids: list[int], first: int, max_new_tokens:
     sized for plain decoding suffices.
     """
     stats = result.speculative = SpecStats(check_int("draft_len", draft_len, error=InvalidInputError))
+    max_ngram = check_int("max_ngram", max_ngram, error=InvalidInputError)
+    min_ngram = check_int("min_ngram", min_ngram, maximum=max_ngram, error=InvalidInputError,
+                          hint="the shortest suffix to draft from, at most max_ngram")
+    miss_ngram = check_int("miss_ngram", miss_ngram, minimum=min_ngram, maximum=max_ngram, error=InvalidInputError,
+                           hint="the suffix a draft needs after a miss: from min_ngram to max_ngram")
     queue, need = [int(first)], min_ngram
     while True:
         for tok in queue:

@@ -100,6 +100,16 @@ def test_a_wholly_rejected_draft_raises_the_bar_until_one_is_accepted(miss_ngram
     assert result.speculative.drafted_steps == len(drafted)
 
 
+@pytest.mark.parametrize("bad, name", [
+    (dict(miss_ngram=0), "miss_ngram"), (dict(miss_ngram=4), "miss_ngram"), (dict(miss_ngram="3"), "miss_ngram"),
+    (dict(min_ngram=0), "min_ngram"), (dict(min_ngram=3, miss_ngram=2), "miss_ngram"),
+    (dict(max_ngram=0), "max_ngram")])
+def test_the_drafting_rule_refuses_bad_lengths_before_any_token(bad, name):
+    steps = speculative_decode(None, None, [1, 2], 3, 5, None, GenerationResult(prompt_ids=[1, 2]), draft_len=2, **bad)
+    with pytest.raises(InvalidInputError, match=f"{name}="):
+        next(steps)  # the generator checks before it yields its first token
+
+
 # --- speculative greedy == plain greedy ------------------------------------------------------------
 
 LOSSLESS = {
