@@ -12,7 +12,7 @@ Steps (cached on disk by a hash of everything that goes in: the source, every lo
 4. link it with the runtime (``sim_runtime.cpp`` + ``switch_x86_64.S``, compiled once).
 
 One process (or thread) at a time looks an entry up and compiles it if missing (an flock on
-``<key>.lock``): another that wants the same entry meanwhile waits and loads it.
+``<key>.lock``; the runtime objects too): another that wants the same entry meanwhile waits and loads it.
 
 Every cache entry carries the sha256 of its bytes (``entries``): a corrupt one is reported
 (``RuntimeWarning`` naming the file), removed and rebuilt, instead of breaking every later run.
@@ -196,13 +196,14 @@ def _runtime_objects(cxx: str, opts: BuildOptions) -> list[Path]:
     key = _digest(_FORMAT_VERSION, _compiler_id(cxx), " ".join(flags), _headers_digest(),
                   *(s.read_text() for s in sources))
     objects = []
-    for src in sources:
-        obj = cache_dir() / f"runtime-{key}-{src.stem}.o"
-        if not intact(obj):
-            _atomic_write(obj, lambda tmp, src=src: _run([cxx, *flags, "-c", str(src), "-o", str(tmp)],
-                                                         f"compiling the simulator runtime {src.name}"))
-            record(obj, _atomic_write)
-        objects.append(obj)
+    with _building(f"runtime-{key}"):  # the same lock as a module's: one process checks and compiles them
+        for src in sources:
+            obj = cache_dir() / f"runtime-{key}-{src.stem}.o"
+            if not intact(obj):
+                _atomic_write(obj, lambda tmp, src=src: _run([cxx, *flags, "-c", str(src), "-o", str(tmp)],
+                                                             f"compiling the simulator runtime {src.name}"))
+                record(obj, _atomic_write)
+            objects.append(obj)
     return objects
 
 
@@ -273,8 +274,8 @@ def scan_source(source: str, filename: str, defines: dict | None, include_dirs: 
 def _building(key: str):
     """Hold ``<key>.lock`` (an flock: the system drops it when the process ends, however it ends) while
     one entry is looked up and, if missing, compiled: a process (or thread) that wants the same entry
-    meanwhile waits and then loads it instead of compiling it a second time (``make test`` runs the
-    kernel tests in two processes at once)."""
+    meanwhile waits and then loads it instead of compiling it a second time (two test processes, or two
+    notebooks, that build kernels at the same time)."""
     with open(cache_dir() / f"{key}.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
