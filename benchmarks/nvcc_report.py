@@ -122,7 +122,7 @@ def build_report(nvcc: str, sources: list[Path] | None = None, archs=ARCHS) -> l
     """Compile every (source, define set, arch); rows sorted by file, defines, arch, kernel."""
     sources = sorted(KERNELS.glob("*.cu")) if sources is None else sources
     jobs = [(s, a, d) for s in sources for d in define_sets(s) for a in archs]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         results = list(pool.map(lambda j: compile_one(nvcc, *j), jobs))
     rows = [r for rs in results for r in rs]
     order = ["file", "defines", "arch", "kernel", "registers", "smem_bytes", "stack_bytes", "spill_store_bytes",
@@ -187,7 +187,7 @@ def nvrtc_report(lib_path: str, sources: list[Path] | None = None, archs=ARCHS) 
     programs, and ctypes releases the GIL for the length of each call."""
     sources = sorted(KERNELS.glob("*.cu")) if sources is None else sources
     jobs = [(s, a, d) for s in sources for d in define_sets(s) for a in archs]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         results = list(pool.map(lambda j: nvrtc_compile(lib_path, *j), jobs))
     return [{"file": s.name, "defines": " ".join(f"{k}={v}" for k, v in d.items()), "arch": a, "ok": ok, "log": log}
             for (s, a, d), (ok, log) in zip(jobs, results)]
