@@ -9,7 +9,8 @@ chunk), with one and with two BLAS threads, it times
 * the same pass with every operation timed (the model's own functions, wrapped for the run):
   ``projections`` (Q/K/V, O, gate/up, down: ``minikv.layers.linear`` on the layer weights), ``lm_head``
   (``linear`` on the output embedding), ``attention`` (``cache.attend``), ``cache_write``
-  (``cache.write``), ``norms`` (``rms_norm``), ``rope`` (``apply_rope``) and ``activation`` (SiLU);
+  (``cache.write``), ``norms`` (``rms_norm``), ``rope`` (``apply_rope``) and ``activation`` (SiLU and the gated
+  product: ``gated_activation``);
 * ``other``: the whole pass minus the timed operations (embedding, residual adds, slicing, validation,
   the step's bookkeeping: what Python costs around the operations), also given per layer.
 
@@ -18,7 +19,7 @@ by a little; ``other`` is then clipped at 0. The table prints each operation's m
 pass's cost relative to T = 1 at the same context and thread count (the 1.3x goal of issue 24).
 
     python benchmarks/decode_profile.py [--ctx 256 1024] [--tokens 1 2 4 8 64] [--threads 1 2] [--reps 7]
-                                        [--cache contiguous|paged] [--scores]
+                                        [--cache contiguous|paged|none] [--scores]
 
 ``--cache paged`` profiles the paged cache (blocks of 16) instead of the contiguous one; ``--cache none``
 the uncached step of step 1 (``NoCache``): each pass recomputes the context and the T new tokens, and
@@ -88,16 +89,14 @@ class OpTimer:
 
     @contextmanager
     def installed(self, cache):
-        """Swap the wrapped functions in (module globals, the activation table, the cache's methods), then back."""
-        m, acts = model_module, model_module.ACTIVATIONS
+        """Swap the wrapped functions in (module globals and the cache's methods), then back."""
+        m = model_module
         head = self.model.lm_head
-        saved = {name: getattr(m, name) for name in ("linear", "rms_norm", "apply_rope")}
-        saved_acts = dict(acts)
+        saved = {name: getattr(m, name) for name in ("linear", "rms_norm", "apply_rope", "gated_activation")}
         m.linear = self._timed(saved["linear"], lambda x, w: "lm_head" if w is head else "projections")
         m.rms_norm = self._timed(saved["rms_norm"], lambda *a: "norms")
         m.apply_rope = self._timed(saved["apply_rope"], lambda *a: "rope")
-        for key, fn in saved_acts.items():
-            acts[key] = self._timed(fn, lambda *a: "activation")
+        m.gated_activation = self._timed(saved["gated_activation"], lambda *a: "activation")
         cache.write = self._timed(cache.write, lambda *a: "cache_write")
         cache.attend = self._timed(cache.attend, lambda *a: "attention")
         try:
@@ -105,7 +104,6 @@ class OpTimer:
         finally:
             for name, fn in saved.items():
                 setattr(m, name, fn)
-            acts.update(saved_acts)
             del cache.write, cache.attend
 
 

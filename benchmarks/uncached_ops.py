@@ -9,8 +9,12 @@ a forward pass over the whole sequence with no cache, only the last row's logits
 * ``projections``: the Q/K/V/O and gate/up/down linear maps (``nn.Linear`` modules; ``linear``);
 * ``attention``: the self-attention module minus its four projections (RoPE, the score and value
   products, softmax; minikv: ``attend`` and ``apply_rope``);
-* ``norms``, ``activation`` (transformers: the MLP minus its three projections: SiLU and the product),
-  ``lm_head``, and ``other`` (the pass minus all of these).
+* ``norms``, ``activation`` (SiLU and the gated product; transformers: the MLP minus its three
+  projections; minikv: ``gated_activation``), ``lm_head``, and ``other`` (the pass minus all of these).
+
+Hooks slow transformers' pass (a Python call before and after each of its ~450 modules), so each round
+also times transformers once more with the hooks removed: ``forward_unhooked``, the fair whole-pass
+comparison (minikv's wrappers sit around ~250 calls of plain functions).
 
 The two engines alternate in every round; medians over ``--reps`` rounds. Each operation's
 minikv/transformers ratio says which part of the pass makes the whole ratio (above 1: minikv slower).
@@ -21,6 +25,7 @@ minikv/transformers ratio says which part of the pass makes the whole ratio (abo
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -63,7 +68,7 @@ class HookTimer:
     """Seconds per part of a transformers Llama pass, from pre/post forward hooks on its modules."""
 
     def __init__(self, hf):
-        self.totals, self.starts = dict.fromkeys(PARTS[:-1], 0.0), {}
+        self.totals, self.starts, self.handles = dict.fromkeys(PARTS[:-1], 0.0), {}, []
         layers = hf.model.layers
         linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
         for layer in layers:
@@ -92,19 +97,26 @@ class HookTimer:
         def post(mod, args, out):
             self.totals[part] += sign * (time.perf_counter() - self.starts[key])
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
-    def reset(self) -> None:
-        self.totals = dict.fromkeys(PARTS[:-1], 0.0)
+    def remove(self) -> None:
+        """Take every hook off the model (for a pass timed as ``decode_cpu.py`` times it)."""
+        for handle in self.handles:
+            handle.remove()
 
 
-def transformers_pass(runner, timer: HookTimer, ids) -> dict:
-    timer.reset()
+def transformers_pass(runner, ids) -> dict:
+    """ms per part of one uncached pass of transformers' model, hooked as ``HookTimer`` times it; then the
+    same pass with no hook on it (``forward_unhooked``): hooks cost transformers time minikv's wrappers do
+    not cost minikv, so the whole pass is compared by the unhooked one."""
+    timer = HookTimer(runner.model)
     start = time.perf_counter()
     runner.full_forward(ids)
     whole = time.perf_counter() - start
-    return _with_other(dict(timer.totals), whole)
+    timer.remove()
+    start = time.perf_counter()
+    runner.full_forward(ids)
+    return {**_with_other(dict(timer.totals), whole), "forward_unhooked": (time.perf_counter() - start) * 1e3}
 
 
 def main(argv=None) -> int:
@@ -123,22 +135,24 @@ def main(argv=None) -> int:
     peer = TransformersRunner(path)
     if args.threads is not None:
         peer.torch.set_num_threads(args.threads)
-    hooks = HookTimer(peer.model)
     ids_all = reference_tokens(tok, max(args.ctx) + 1)
     rows = []
     for ctx in args.ctx:
         ids = ids_all[:ctx + 1]
-        minikv_pass(model, ids), transformers_pass(peer, hooks, ids)  # warm-up
+        minikv_pass(model, ids), transformers_pass(peer, ids)  # warm-up
         runs = {"minikv": [], "transformers": []}
+        load = os.getloadavg()[0]
         for _ in range(args.reps):
             runs["minikv"].append(minikv_pass(model, ids))
-            runs["transformers"].append(transformers_pass(peer, hooks, ids))
-        med = {e: {p: statistics.median(r[p] for r in rs) for p in (*PARTS, "forward")} for e, rs in runs.items()}
-        rows.append({"ctx": ctx, **med})
+            runs["transformers"].append(transformers_pass(peer, ids))
+        med = {e: {p: statistics.median(r[p] for r in rs) for p in rs[0]} for e, rs in runs.items()}
+        rows.append({"ctx": ctx, **med, "load_average_1min": [load, os.getloadavg()[0]]})
         print(f"\nuncached step at {ctx} tokens (ms; ratio minikv / transformers, above 1: minikv slower)")
         for p in ("forward", *PARTS):
             a, b = med["minikv"][p], med["transformers"][p]
             print(f"  {p:<12} minikv {a:8.1f}  transformers {b:8.1f}  ratio {a / b if b else float('nan'):5.2f}")
+        b = med["transformers"]["forward_unhooked"]
+        print(f"  {'unhooked':<12} {'':15}  transformers {b:8.1f}  ratio {med['minikv']['forward'] / b:5.2f}")
     info = machine_info(("numpy", "torch", "transformers"))
     print(describe(info))
     out = write_result(args.out, {

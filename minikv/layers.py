@@ -73,7 +73,7 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     i.e. ``torch.nn.functional.gelu(x, approximate="tanh")``). Constants in x's dtype.
     """
     t = x.dtype.type
-    s = x * x  # one scratch array, in place, as in ``silu`` (halving is exact, so the order of it is free)
+    s = x * x  # one scratch array, in place, as in ``silu``; the same operations, the halving last
     s *= x
     s *= t(0.044715)
     s += x
@@ -87,7 +87,19 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 # The gated MLP's activation, by transformers' name (``hidden_act`` / ``hidden_activation``):
 # SwiGLU (Llama, SmolLM2, DeepSeek) or GeGLU with the tanh GELU (Gemma).
-ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}  # each returns a new array
+
+
+def gated_activation(gate_up: np.ndarray, hidden_act: str) -> np.ndarray:
+    """gate_up: [N, 2 I] (the gate's I columns, then the up projection's) -> act(gate) * up: [N, I].
+
+    The middle of a gated MLP (SwiGLU, GeGLU), between its two matrix products; the product goes into
+    the activation's new array.
+    """
+    i = gate_up.shape[-1] // 2
+    out = ACTIVATIONS[hidden_act](gate_up[:, :i])
+    out *= gate_up[:, i:]
+    return out
 
 
 def rope_tables(head_dim: int, max_position: int, theta: float, dtype=np.float32,

@@ -34,7 +34,7 @@ import numpy as np
 
 from minikv.errors import ConfigError, DTypeError, InvalidInputError, ShapeError, check_choice
 from minikv.hybrid.cache import LAYER_TYPES, check_layer_types, hybrid_cache, layer_windows  # noqa: F401
-from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, linear, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
+from minikv.layers import ACTIVATIONS, ROPE_LAYOUTS, apply_rope, gated_activation, linear, rms_norm, rope_tables, silu  # noqa: F401  (re-exported)
 from minikv.mla.block import MLALayer, mla_attention_block
 from minikv.mla.latent import LatentUp
 from minikv.model_config import LayerWeights, ModelConfig, ModelWeights, check_weights, expected_shapes  # noqa: F401  (re-exported: the config and weights live there)
@@ -133,10 +133,7 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     if getattr(lw, "moe", None) is not None:
         return moe_mlp(h, lw.moe, cfg.moe)
     gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
-    i = cfg.intermediate_size
-    act = ACTIVATIONS[cfg.hidden_act](gate_up[:, :i])  # a new array: the product goes into it
-    act *= gate_up[:, i:]
-    out = linear(act, lw.w_down_t)
+    out = linear(gated_activation(gate_up, cfg.hidden_act), lw.w_down_t)
     return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 

@@ -2,12 +2,14 @@
 the attention scores of minikv.online_softmax.tile_scores (both orientations, masked at the diagonal), and
 paged attention over blocks that the queries of one sequence load once."""
 
+import math
+
 import numpy as np
 import pytest
 
 from minikv import online_softmax as osm
 from minikv.attention import softmax
-from minikv.layers import ROW_BLOCK, THIN_TOKENS, linear
+from minikv.layers import ROW_BLOCK, THIN_TOKENS, gated_activation, gelu_tanh, linear, silu
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -28,6 +30,24 @@ def test_linear_of_a_strided_weight_is_still_right():
     x = rng.standard_normal((3, 16)).astype(np.float32)
     w = rng.standard_normal((16, 2 * ROW_BLOCK)).astype(np.float32)  # w.T is a strided [out, in] view
     np.testing.assert_allclose(linear(x, w.T), x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_activations_in_place_equal_their_formulas_bit_for_bit(dtype):
+    # the engine evaluates them in one scratch array; the plain formulas (tanh GELU: transformers' GELUTanh)
+    # must come out the same to the last bit, on a strided gate (the first half of gate_up) left untouched
+    rng = np.random.default_rng(0)
+    gate_up = (rng.standard_normal((64, 2 * 300)) * 8).astype(dtype)
+    gate_up[0, :8] = [0.0, -0.0, 1e4, -1e4, 88.0, -88.0, 1e-30, -1e-30]
+    x, before = gate_up[:, :300], gate_up.copy()
+    t = dtype
+    half = t(0.5)
+    silu_ref = x * (half + half * np.tanh(half * x))
+    gelu_ref = t(0.5) * x * (t(1) + np.tanh(t(math.sqrt(2 / math.pi)) * (x + t(0.044715) * (x * x * x))))
+    np.testing.assert_array_equal(silu(x), silu_ref)
+    np.testing.assert_array_equal(gelu_tanh(x), gelu_ref)
+    np.testing.assert_array_equal(gated_activation(gate_up, "silu"), silu_ref * gate_up[:, 300:])
+    np.testing.assert_array_equal(gate_up, before)
 
 
 # --- the attention's score product: K @ Q^T for a few query rows (minikv.online_softmax.tile_scores) ---
