@@ -55,7 +55,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), with sigmoid written via tanh so large |x| never overflows exp.
 
     Returns a new array. The formula x * (1/2 + tanh(x/2) / 2) is evaluated in one scratch array, in place:
-    a 1,024-token pass's gate is 6 MB, and four fresh temporaries of that size cost more than the arithmetic.
+    a 1,024-token pass's gate is 6 MB, and each fresh array of that size is memory the system must map.
     """
     half = x.dtype.type(0.5)
     s = np.multiply(x, half)
