@@ -74,7 +74,7 @@ def _layer_rates(s: ModelShape, layer: int) -> dict:
         d, hkv = s.head_dim, s.num_kv_heads
         proj = 2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h
         scores = weighted = 2 * hq * d
-    mats = 2 if s.mlp == "gelu" else 3
+    mats = s.mlp_matrices
     if s.is_moe_layer(layer):
         experts = s.experts_per_token + s.shared_experts
         mlp = experts * 2 * mats * h * s.moe_intermediate_size + 2 * h * s.num_experts

@@ -124,7 +124,7 @@ def _attention_params(s: ModelShape) -> int:
 
 
 def _dense_mlp_params(s: ModelShape, width: int) -> int:
-    mats = 2 if s.mlp == "gelu" else 3
+    mats = s.mlp_matrices
     p = mats * s.hidden_size * width
     if s.bias:
         p += (mats - 1) * width + s.hidden_size

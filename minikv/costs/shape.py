@@ -139,6 +139,11 @@ class ModelShape:
         return self.kv_lora_rank > 0
 
     @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP (one expert): 3 when gated (gate, up, down: SwiGLU, GeGLU), else 2."""
+        return 2 if self.mlp == "gelu" else 3
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
