@@ -123,6 +123,15 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
+# A long pass (a prefill, step 1's recompute) runs its MLP in chunks of rows whose [rows, 2 I] middle stays
+# under MLP_CHUNK_BYTES (SmolLM2: 256 rows; the whole middle is 12 MB at 1,024 tokens). NumPy asks the kernel
+# for huge pages on every array of 4 MB or more (madvise), and where the kernel then compacts memory on the
+# spot, as on the machine of benchmarks/results/uncached_ops.json, each such array's first touch stalls:
+# that pass's activation alone swung from 0.2 to 1.5 s, against 0.1 s in chunks. Smaller arrays are reused
+# by the allocator from chunk to chunk, and stay in the core's cache between the two products.
+MLP_CHUNK_BYTES = 4 << 20
+
+
 def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     """A layer's gated MLP branch: x [N, H] -> [N, H] = (act(h Wg) * h Wu) Wd, h = RMSNorm(x).
 
@@ -132,9 +141,18 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
     if getattr(lw, "moe", None) is not None:
         return moe_mlp(h, lw.moe, cfg.moe)
-    gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
-    out = linear(gated_activation(gate_up, cfg.hidden_act), lw.w_down_t)
+    chunks = len(h) * lw.w_gate_up_t.shape[0] * h.itemsize // MLP_CHUNK_BYTES + 1  # equal chunks, each under it
+    if chunks > 1:
+        out = np.concatenate([_gated_mlp(part, lw, cfg) for part in np.array_split(h, chunks)])
+    else:
+        out = _gated_mlp(h, lw, cfg)
     return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
+
+
+def _gated_mlp(h: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
+    """h [N, H] -> (act(h Wg) * h Wu) Wd: [N, H]."""
+    gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
+    return linear(gated_activation(gate_up, cfg.hidden_act), lw.w_down_t)
 
 
 @dataclass
