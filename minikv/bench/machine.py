@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -21,8 +22,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def source_commit() -> str | None:
+    """The commit of minikv's checkout that ran the benchmark, with ``+changes`` when files differ from it;
+    None outside a git checkout (an installed wheel)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def machine_info(packages: tuple[str, ...] = ("numpy",)) -> dict:
-    """CPU, cores, OS, Python, the versions of ``packages`` that are installed, and the date (UTC)."""
+    """CPU, cores, OS, Python, the versions of ``packages`` that are installed, the date (UTC), and
+    the commit of the code that ran (``source_commit``)."""
     versions = {}
     for name in packages:
         try:
@@ -36,6 +52,7 @@ def machine_info(packages: tuple[str, ...] = ("numpy",)) -> dict:
         "python": platform.python_version(),
         "packages": versions,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
     }
 
 
