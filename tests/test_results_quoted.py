@@ -204,3 +204,19 @@ def test_kvpress_comparison_quoted_is_the_measured_one():
     if all(d["pairs"][p]["identical_sets"] == d["pairs"][p]["sets"] for p in ("SnapKVPress", "StreamingLLMPress",
                                                                                 "ObservedAttentionPress")):
         assert "all 90" in (ROOT / "README.md").read_text()
+
+
+def test_a_result_records_the_commit_it_measured(monkeypatch):
+    import subprocess
+
+    from minikv.bench import machine
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = machine.machine_info()["commit"]
+    assert commit is not None and commit.split("+")[0] == head.stdout.strip()
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(machine.subprocess, "run", no_git)
+    assert machine.source_commit() is None  # an installed wheel: no checkout to name
