@@ -14,12 +14,14 @@ the one sampler, for this loop and for a scheduler's per-sequence rows alike.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from minikv import errors
 from minikv.errors import (
     ConfigError,
     InvalidInputError,
@@ -185,26 +187,26 @@ def cache_kind(kind: str) -> CacheKind:
     return spec
 
 
-def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int,
-                        block_size, eviction: dict | None, names: dict) -> None:
-    """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, before it is
-    built, naming what sizes it: max_len (or block_size, when one block outgrows the sequence), or an
-    evicting cache's window / budget, each as ``names`` calls it. A quantized cache counts its full-precision
-    pool alone."""
+def _memory_terms(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int, block_size,
+                  eviction: dict | None, names: dict) -> dict | None:
+    """What a cache's storage takes, as ``check_memory``'s arguments (name, value, unit_bytes, fixed, what,
+    hint), naming what sizes it: max_len (or block_size, when one block outgrows the sequence), or an
+    evicting cache's window / budget, each as ``names`` calls it. None: nothing to store, or a size the
+    policy refuses itself. A quantized cache counts its full-precision pool alone."""
     per_token, ev, name = bytes_per_token(args, dtype), eviction or {}, lambda arg: names.get(arg, arg)
     if spec.evicts:  # each slot also keeps its position, score and count (int64, float64, int64)
         per_token += 24 * args["num_layers"] * args.get("num_kv_heads", 1)
         if ev.get("layout", "contiguous") != "paged":
             arg = "window" if kind == "window" else "budget"
-            if isinstance(ev.get(arg), int) and not isinstance(ev.get(arg), bool):  # else the policy refuses it
-                check_memory(name(arg), ev[arg], per_token * max_seqs,
-                             what=f"a {kind} cache of {max_seqs} sequence(s) (K, V and bookkeeping per slot)")
-            return
+            if not isinstance(ev.get(arg), int) or isinstance(ev.get(arg), bool):  # the policy refuses it
+                return None
+            return dict(name=name(arg), value=ev[arg], unit_bytes=per_token * max_seqs, fixed=0, hint="",
+                        what=f"a {kind} cache of {max_seqs} sequence(s) (K, V and bookkeeping per slot)")
         slots = _paged_blocks(max_len, max_seqs, block_size) * block_size
     else:
         slots = spec.slots(max_len, max_seqs, block_size)
     if slots == 0:
-        return
+        return None
     blocked = kind == "paged" or spec.evicts  # (an evicting cache that gets here has the paged layout)
     if blocked and slots > max_seqs * max_len and block_size > max_len:
         # one block per sequence, bigger than the sequence; each block also keeps its bookkeeping, as the
@@ -213,9 +215,33 @@ def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: 
     else:
         arg, value, fixed = "max_len", max_len, (slots - max_seqs * max_len) * per_token
     seqs = "" if max_seqs == 1 else ", max_seqs"
-    check_memory(name(arg), value, per_token * max_seqs, fixed=fixed,
-                 what=f"a {kind} cache of {max_seqs} x {max_len:,} tokens (K and V)",
-                 hint=f"lower {name('max_len')}{seqs}" + (f" or {name('block_size')}" if blocked else ""))
+    return dict(name=name(arg), value=value, unit_bytes=per_token * max_seqs, fixed=fixed,
+                what=f"a {kind} cache of {max_seqs} x {max_len:,} tokens (K and V)",
+                hint=f"lower {name('max_len')}{seqs}" + (f" or {name('block_size')}" if blocked else ""))
+
+
+def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int,
+                        block_size, eviction: dict | None, names: dict, beside: int = 0) -> None:
+    """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, less ``beside``
+    bytes that another structure alive at the same time takes, before it is built (``_memory_terms``)."""
+    terms = _memory_terms(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names)
+    if terms is None:
+        return
+    have = None
+    if beside:
+        have = errors.available_memory_bytes()
+        have = None if have is None else max(have - beside, 0)
+        terms["what"] += f", beside the {beside:,} bytes of the cache it runs with"
+    check_memory(**terms, have=have)
+
+
+def cache_memory_bytes(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
+                       dtype=None) -> int:
+    """The bytes ``make_cache`` would take for K and V of a lossless cache of ``kind`` (not built)."""
+    spec, args, max_len, max_seqs, dtype, block_size, _, names = _prepared(
+        kind, model, max_len, max_seqs, block_size, dtype, None, 32, 128, None)
+    terms = _memory_terms(kind, spec, args, dtype, max_len, max_seqs, block_size, None, names)
+    return 0 if terms is None else terms["fixed"] + terms["value"] * math.ceil(terms["unit_bytes"])
 
 
 def _prepared(kind: str, model: Model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual,
@@ -242,14 +268,15 @@ def _prepared(kind: str, model: Model, max_len, max_seqs, block_size, dtype, kv_
 
 def check_cache_memory(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
                        dtype=None, kv_dtype: str | None = None, group: int = 32, residual: int = 128,
-                       eviction: dict | None = None, names: dict | None = None) -> None:
+                       eviction: dict | None = None, names: dict | None = None, beside: int = 0) -> None:
     """Refuse (ConfigError, InvalidInputError) the cache ``make_cache`` would build with these arguments when
     it would not fit in the memory available now, without building anything. ``names`` maps the arguments
     (max_len, block_size, residual, window, budget) to what the user typed, e.g. a CLI flag, for the refusal:
-    a command checks before its first output, so that a refusal is all it prints."""
+    a command checks before its first output, so that a refusal is all it prints. ``beside``: bytes another
+    cache held at the same time takes (a lossy run beside its exact one, ``cache_memory_bytes``)."""
     spec, args, max_len, max_seqs, dtype, block_size, _, names = _prepared(
         kind, model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual, names)
-    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names)
+    _check_cache_memory(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names, beside)
 
 
 def make_cache(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,

@@ -363,17 +363,19 @@ CACHE_FLAGS = {"block_size": "--block-size", "residual": "--residual", "window":
 
 
 def check_cache_fits(args, model, max_len: int, length: str, eviction: dict | None = None, dtype=None,
-                     cache: str | None = None) -> None:
+                     cache: str | None = None, beside: int = 0) -> None:
     """Refuse, naming the flags, the ``--cache`` (or ``cache``) of ``max_len`` tokens that would not fit in
     the memory available now (``minikv.generate.check_cache_memory``); a subcommand calls it before its first
     output, so that the refusal is the only thing it prints. ``length`` says which flags set ``max_len``
-    (e.g. "prompt + --max-new-tokens"); ``eviction``: the run's ``eviction_options``."""
+    (e.g. "prompt + --max-new-tokens"); ``eviction``: the run's ``eviction_options``; ``cache``: another,
+    lossless cache of the run (its --block-size alone applies); ``beside``: the bytes of a cache held at the
+    same time."""
     from minikv.generate import check_cache_memory
 
-    options = {name: getattr(args, name) for name in ("block_size", "kv_dtype", "group", "residual")
-               if hasattr(args, name)}  # (demo has none of them; compare has --block-size alone)
+    wanted = ("block_size",) if cache else ("block_size", "kv_dtype", "group", "residual")
+    options = {name: getattr(args, name) for name in wanted if hasattr(args, name)}  # (demo has none of them)
     check_cache_memory(cache or args.cache, model, max_len, dtype=dtype, eviction=eviction, **options,
-                       names={**CACHE_FLAGS, "max_len": f"max_len ({length})"})
+                       names={**CACHE_FLAGS, "max_len": f"max_len ({length})"}, beside=beside)
 
 
 def progress(total: int | None, desc: str):

@@ -29,7 +29,7 @@ from minikv.cli.common import (
 from minikv.cli.parallel import add_parallel_flags, guard, is_parallel, json_fields, perplexity_factory, runner_of
 from minikv.cli.text import cache_help
 from minikv.errors import InvalidInputError, check_int
-from minikv.generate import CACHE_KINDS
+from minikv.generate import CACHE_KINDS, cache_memory_bytes
 
 
 def add_perplexity(sub) -> None:
@@ -119,6 +119,14 @@ def _lossy_factory(args, model):
     return factory
 
 
+def _exact_cache(args) -> str | None:
+    """The lossless cache kind a --kv-dtype or evicting run is compared with (None: no comparison, which
+    includes a --tp/--cp run): the plain --cache, or contiguous beside an evicting one."""
+    if (args.kv_dtype in (None, "fp32") and args.eviction is None) or args.tp is not None or args.cp is not None:
+        return None
+    return "contiguous" if args.eviction is not None else args.cache
+
+
 def _measure(model, ids, args, factory, bar) -> dict:
     """The run: ``perplexity``, or with a quantized --kv-dtype ``perplexity_vs_exact`` against the plain cache."""
     from minikv.perplexity import perplexity, perplexity_vs_exact
@@ -133,8 +141,7 @@ def _measure(model, ids, args, factory, bar) -> dict:
         res = perplexity(model, ids, cache=args.cache, prefill=args.prefill, block_size=args.block_size,
                          progress=bar.update)
     else:
-        exact = "contiguous" if args.eviction is not None else args.cache
-        res = perplexity_vs_exact(model, ids, factory, prefill=args.prefill, exact_cache=exact,
+        res = perplexity_vs_exact(model, ids, factory, prefill=args.prefill, exact_cache=_exact_cache(args),
                                   block_size=args.block_size, label=args.cache, progress=bar.update,
                                   curve=args.nll_file is not None)
     quantized = args.kv_dtype not in (None, "fp32")
@@ -171,9 +178,11 @@ def _run_perplexity(args) -> int:
     model, tok = load_model_arg(args.model)
     ids, where = _eval_ids(args, model, tok, ids)
     length = f"the tokens fed from {where.split('=')[0]}, cut by --max-tokens"
-    check_cache_fits(args, model, len(ids) - 1, length, eviction=args.eviction)
-    if args.eviction is not None:  # the exact run beside it keeps every token
-        check_cache_fits(args, model, len(ids) - 1, length, cache="contiguous")
+    beside, exact = 0, _exact_cache(args)
+    if exact is not None:  # the lossless run goes in lockstep with the lossy one: both caches are held at once
+        check_cache_fits(args, model, len(ids) - 1, length, cache=exact)
+        beside = cache_memory_bytes(exact, model, len(ids) - 1, block_size=args.block_size)
+    check_cache_fits(args, model, len(ids) - 1, length, eviction=args.eviction, beside=beside)
     factory = _lossy_factory(args, model)
     runner = runner_of(args, model)  # --tp/--cp: this rank's share (minikv.parallel)
     with progress(len(ids) - 1, f"perplexity ({args.cache})") as bar, guard(runner):
