@@ -123,12 +123,12 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
-# A long pass (a prefill, step 1's recompute) runs its MLP in chunks of rows whose [rows, 2 I] middle stays
-# under MLP_CHUNK_BYTES (SmolLM2: 256 rows; the whole middle is 12 MB at 1,024 tokens). NumPy asks the kernel
-# for huge pages on every array of 4 MB or more (madvise), and where the kernel then compacts memory on the
-# spot, as on the machine of benchmarks/results/uncached_ops.json, each such array's first touch stalls:
-# that pass's activation alone swung from 0.2 to 1.5 s, against 0.1 s in chunks. Smaller arrays are reused
-# by the allocator from chunk to chunk, and stay in the core's cache between the two products.
+# A long pass (a prefill, step 1's recompute) runs its MLP in chunks of rows small enough that no array of a
+# chunk reaches MLP_CHUNK_BYTES (SmolLM2 at 1,024 tokens: 4 chunks of 256 rows; the whole [N, 2 I] middle
+# is 12 MB, the activation's [N, I] 6 MB). NumPy asks the kernel for huge pages on every array of 4 MiB or
+# more (madvise), and where the kernel then compacts memory at the first touch, as on the machine of
+# benchmarks/results/uncached_ops.json, such arrays stall: the 1,024-token pass's activation took 872 ms
+# there before the chunks (transformers' 67 ms), 114 ms after. A pass whose middle is under it is one chunk.
 MLP_CHUNK_BYTES = 4 << 20
 
 
@@ -141,7 +141,8 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
     if getattr(lw, "moe", None) is not None:
         return moe_mlp(h, lw.moe, cfg.moe)
-    chunks = len(h) * lw.w_gate_up_t.shape[0] * h.itemsize // MLP_CHUNK_BYTES + 1  # equal chunks, each under it
+    row_bytes = lw.w_gate_up_t.shape[0] * np.result_type(h, lw.w_gate_up_t).itemsize  # a row of the middle
+    chunks = -(-len(h) // max(1, (MLP_CHUNK_BYTES - 1) // row_bytes))  # equal chunks, each under the limit
     if chunks > 1:
         out = np.concatenate([_gated_mlp(part, lw, cfg) for part in np.array_split(h, chunks)])
     else:

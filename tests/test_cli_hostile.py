@@ -343,21 +343,21 @@ def test_a_cache_size_flag_past_memory_is_refused_by_its_flag_before_any_output(
         assert "the largest --block-size that fits is 4,194,303" in line, line
 
 
-# (the lossy flags, the exact cache beside them, the bytes available): 4 scored tokens of 256 bytes; the exact
-# cache and the lossy one each fit alone (paged: a 16-token block each, 4,352 bytes with its bookkeeping; a
-# 4-slot window ring: 1,408 bytes beside a 1,024-byte contiguous cache), the two together do not
-BESIDE = [(["--kv-dtype", "fp16"], "paged", 6000), (["--cache", "window", "--window", "4"], "contiguous", 2000)]
+# (the lossy flags, the exact cache beside them, its bytes, the bytes available): 4 scored tokens of 256 bytes;
+# the exact cache and the lossy one each fit alone (paged: a 16-token block each, 4,352 bytes with its
+# bookkeeping; a 4-slot window ring: 1,408 bytes beside a 1,024-byte contiguous cache), the two together do not
+BESIDE = [(["--kv-dtype", "fp16"], "paged", 4352, 6000),
+          (["--cache", "window", "--window", "4"], "contiguous", 1024, 2000)]
 
 
-@pytest.mark.parametrize("lossy, exact, available", BESIDE, ids=["fp16", "window"])
-def test_perplexity_counts_the_exact_cache_it_runs_beside(lossy, exact, available, tiny_gguf, input_files,
+@pytest.mark.parametrize("lossy, exact, need, available", BESIDE, ids=["fp16", "window"])
+def test_perplexity_counts_the_exact_cache_it_runs_beside(lossy, exact, need, available, tiny_gguf, input_files,
                                                            monkeypatch):
     # perplexity_vs_exact runs the exact and the lossy cache in lockstep: both are held at once
     from minikv.generate import cache_memory_bytes
     from minikv.weights.gguf import load_model
 
-    need = cache_memory_bytes(exact, load_model(tiny_gguf)[0], 4, block_size=16)
-    assert need <= available
+    assert cache_memory_bytes(exact, load_model(tiny_gguf)[0], 4, block_size=16) == need
     monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: available)
     argv = ["perplexity", "--ids-file", input_files["good"], "--model", tiny_gguf, *lossy]
     line = assert_refused(argv, "needs")

@@ -23,14 +23,21 @@ def cpu_model() -> str:
 
 
 def source_commit() -> str | None:
-    """The commit of minikv's checkout that ran the benchmark, with ``+changes`` when files differ from it;
-    None outside a git checkout (an installed wheel)."""
+    """The commit of minikv's checkout that ran the benchmark, with ``+changes`` when its code (``minikv/``,
+    ``benchmarks/`` less the results) differs from it; None outside a git checkout of minikv (an installed
+    wheel, even one inside another repository)."""
     root = Path(__file__).resolve().parents[2]
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return None
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "minikv", "benchmarks",
+                    ":(exclude)benchmarks/results")
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+changes" if dirty else "")
