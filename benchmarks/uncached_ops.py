@@ -18,8 +18,6 @@ comparison (minikv's wrappers sit around ~250 calls of plain functions).
 
 The two engines alternate in every round; medians over ``--reps`` rounds. Each operation's
 minikv/transformers ratio says which part of the pass makes the whole ratio (above 1: minikv slower).
-Each round also times minikv once more with its MLP in one piece (``minikv.model.MLP_CHUNK_BYTES`` off),
-which measures what the chunks change.
 
     python benchmarks/uncached_ops.py [--ctx 256 1024] [--reps 5] [--threads N]
 """
@@ -36,7 +34,6 @@ from pathlib import Path
 from decode_cpu import TransformersRunner
 from decode_profile import OpTimer, set_blas_threads
 
-from minikv import model as model_module
 from minikv.bench.corpus import reference_tokens
 from minikv.bench.machine import describe, machine_info, write_result
 from minikv.kv_cache import NoCache
@@ -58,17 +55,6 @@ def minikv_pass(model, ids) -> dict:
     parts = {"projections": t["projections"], "attention": t["attention"] + t["rope"] + t["cache_write"],
              "norms": t["norms"], "activation": t["activation"], "lm_head": t["lm_head"]}
     return _with_other(parts, whole)
-
-
-def minikv_one_piece_pass(model, ids) -> dict:
-    """``minikv_pass`` with the MLP run in one piece, as before ``minikv.model.MLP_CHUNK_BYTES``: the
-    chunks' own measure (their arrays stay under NumPy's 4 MiB huge-page size)."""
-    saved = model_module.MLP_CHUNK_BYTES
-    model_module.MLP_CHUNK_BYTES = 1 << 62
-    try:
-        return minikv_pass(model, ids)
-    finally:
-        model_module.MLP_CHUNK_BYTES = saved
 
 
 def _with_other(parts: dict, whole: float) -> dict:
@@ -154,12 +140,11 @@ def main(argv=None) -> int:
     for ctx in args.ctx:
         ids = ids_all[:ctx + 1]
         minikv_pass(model, ids), transformers_pass(peer, ids)  # warm-up
-        runs = {"minikv": [], "transformers": [], "minikv_mlp_in_one_piece": []}
+        runs = {"minikv": [], "transformers": []}
         load = os.getloadavg()[0]
         for _ in range(args.reps):
             runs["minikv"].append(minikv_pass(model, ids))
             runs["transformers"].append(transformers_pass(peer, ids))
-            runs["minikv_mlp_in_one_piece"].append(minikv_one_piece_pass(model, ids))
         med = {e: {p: statistics.median(r[p] for r in rs) for p in rs[0]} for e, rs in runs.items()}
         rows.append({"ctx": ctx, **med, "load_average_1min": [load, os.getloadavg()[0]]})
         print(f"\nuncached step at {ctx} tokens (ms; ratio minikv / transformers, above 1: minikv slower)")
@@ -168,15 +153,12 @@ def main(argv=None) -> int:
             print(f"  {p:<12} minikv {a:8.1f}  transformers {b:8.1f}  ratio {a / b if b else float('nan'):5.2f}")
         b = med["transformers"]["forward_unhooked"]
         print(f"  {'unhooked':<12} {'':15}  transformers {b:8.1f}  ratio {med['minikv']['forward'] / b:5.2f}")
-        one = med["minikv_mlp_in_one_piece"]
-        print(f"  minikv with its MLP in one piece: forward {one['forward']:.1f}, activation {one['activation']:.1f}")
     info = machine_info(("numpy", "torch", "transformers"))
     print(describe(info))
     out = write_result(args.out, {
         "benchmark": "uncached_ops", "model": path.name, "dtype": "float32", "threads": args.threads,
         "method": f"{args.reps} alternating rounds, medians; minikv timed by decode_profile.OpTimer, transformers "
-                  "by forward hooks; one uncached pass over ctx + 1 tokens, last row's logits; "
-                  "minikv_mlp_in_one_piece: minikv with MLP_CHUNK_BYTES off, in the same rounds",
+                  "by forward hooks; one uncached pass over ctx + 1 tokens, last row's logits",
         "parts": list(PARTS), "rows": rows, "machine": info})
     print(f"wrote {out}")
     return 0

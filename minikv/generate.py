@@ -239,7 +239,10 @@ def cache_memory_bytes(kind: str, model: Model, max_len: int, max_seqs: int = 1,
                        dtype=None) -> int:
     """The bytes ``make_cache`` would take for K and V of a lossless cache of ``kind`` (not built)."""
     spec, args, max_len, max_seqs, dtype, block_size, _, names = _prepared(
-        kind, model, max_len, max_seqs, block_size, dtype, None, 32, 128, None)
+        kind, model, max_len, max_seqs, block_size, dtype, kv_dtype=None, group=32, residual=128, names=None)
+    if spec.evicts:
+        raise ConfigError(f"cache_memory_bytes sizes a lossless cache, and {kind!r} evicts: its window or budget "
+                          "sizes it; use 'contiguous' or 'paged'")
     terms = _memory_terms(kind, spec, args, dtype, max_len, max_seqs, block_size, None, names)
     return 0 if terms is None else terms["fixed"] + terms["value"] * math.ceil(terms["unit_bytes"])
 

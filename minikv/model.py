@@ -123,15 +123,6 @@ def attention_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig, cache, li:
     return rms_norm(out, lw.post_attn_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
-# A long pass (a prefill, step 1's recompute) runs its MLP in chunks of rows small enough that no array of a
-# chunk reaches MLP_CHUNK_BYTES (SmolLM2 at 1,024 tokens: 4 chunks of 256 rows; the whole [N, 2 I] middle
-# is 12 MB, the activation's [N, I] 6 MB). NumPy asks the kernel for huge pages on every array of 4 MiB or
-# more (madvise), and where the kernel then compacts memory at the first touch, as on the machine of
-# benchmarks/results/uncached_ops.json, such arrays stall: the 1,024-token pass's activation took 872 ms
-# there before the chunks (transformers' 67 ms), 114 ms after. A pass whose middle is under it is one chunk.
-MLP_CHUNK_BYTES = 4 << 20
-
-
 def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     """A layer's gated MLP branch: x [N, H] -> [N, H] = (act(h Wg) * h Wu) Wd, h = RMSNorm(x).
 
@@ -141,19 +132,9 @@ def mlp_block(x: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
     h = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
     if getattr(lw, "moe", None) is not None:
         return moe_mlp(h, lw.moe, cfg.moe)
-    row_bytes = lw.w_gate_up_t.shape[0] * np.result_type(h, lw.w_gate_up_t).itemsize  # a row of the middle
-    chunks = -(-len(h) // max(1, (MLP_CHUNK_BYTES - 1) // row_bytes))  # equal chunks, each under the limit
-    if chunks > 1:
-        out = np.concatenate([_gated_mlp(part, lw, cfg) for part in np.array_split(h, chunks)])
-    else:
-        out = _gated_mlp(h, lw, cfg)
-    return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
-
-
-def _gated_mlp(h: np.ndarray, lw: _FusedLayer, cfg: ModelConfig) -> np.ndarray:
-    """h [N, H] -> (act(h Wg) * h Wu) Wd: [N, H]."""
     gate_up = linear(h, lw.w_gate_up_t)  # [N, 2 I]
-    return linear(gated_activation(gate_up, cfg.hidden_act), lw.w_down_t)
+    out = linear(gated_activation(gate_up, cfg.hidden_act), lw.w_down_t)
+    return rms_norm(out, lw.post_mlp_norm, cfg.rms_eps) if cfg.sandwich_norms else out
 
 
 @dataclass

@@ -357,7 +357,12 @@ def test_perplexity_counts_the_exact_cache_it_runs_beside(lossy, exact, need, av
     from minikv.generate import cache_memory_bytes
     from minikv.weights.gguf import load_model
 
-    assert cache_memory_bytes(exact, load_model(tiny_gguf)[0], 4, block_size=16) == need
+    from minikv.errors import ConfigError
+
+    model = load_model(tiny_gguf)[0]
+    assert cache_memory_bytes(exact, model, 4, block_size=16) == need
+    with pytest.raises(ConfigError, match="evicts"):  # an evicting cache is sized by its window, not max_len
+        cache_memory_bytes("window", model, 4)
     monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: available)
     argv = ["perplexity", "--ids-file", input_files["good"], "--model", tiny_gguf, *lossy]
     line = assert_refused(argv, "needs")

@@ -50,28 +50,6 @@ def test_activations_in_place_equal_their_formulas_bit_for_bit(dtype):
     np.testing.assert_array_equal(gate_up, before)
 
 
-
-@pytest.mark.parametrize("rows", [1, 9, 28, 40])
-def test_a_long_pass_runs_its_mlp_in_chunks_under_the_budget_and_gets_the_same_rows(monkeypatch, rows):
-    # a float64 middle row is 2 x 80 x 8 = 1,280 bytes: a 12,000-byte budget holds 9 rows, so 28 rows need
-    # 4 chunks (a split into 3 would give one of 10 rows, 12,800 bytes) and 40 need 5
-    from minikv import model as model_module
-    from minikv.weights.random_models import random_model
-
-    m = random_model(dtype=np.float64)
-    lw, cfg = m.prepared_layers[0], m.config
-    x = np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size))
-    whole = model_module.mlp_block(x, lw, cfg)
-    seen = []
-    real = model_module._gated_mlp
-    monkeypatch.setattr(model_module, "MLP_CHUNK_BYTES", 12_000)
-    monkeypatch.setattr(model_module, "_gated_mlp", lambda h, *a: seen.append(len(h)) or real(h, *a))
-    chunked = model_module.mlp_block(x, lw, cfg)
-    assert sum(seen) == rows and max(seen) * 1_280 < 12_000
-    assert (len(seen) > 1) == (rows > 9)  # a pass under the budget is one piece
-    np.testing.assert_allclose(chunked, whole, rtol=1e-13, atol=1e-13)
-
-
 # --- the attention's score product: K @ Q^T for a few query rows (minikv.online_softmax.tile_scores) ---
 
 @pytest.mark.parametrize("rows", [1, 2, 3, osm.THIN_ROWS, osm.THIN_ROWS + 1])
