@@ -354,10 +354,9 @@ BESIDE = [(["--kv-dtype", "fp16"], "paged", 4352, 6000),
 def test_perplexity_counts_the_exact_cache_it_runs_beside(lossy, exact, need, available, tiny_gguf, input_files,
                                                            monkeypatch):
     # perplexity_vs_exact runs the exact and the lossy cache in lockstep: both are held at once
+    from minikv.errors import ConfigError
     from minikv.generate import cache_memory_bytes
     from minikv.weights.gguf import load_model
-
-    from minikv.errors import ConfigError
 
     model = load_model(tiny_gguf)[0]
     assert cache_memory_bytes(exact, model, 4, block_size=16) == need

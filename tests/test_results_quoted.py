@@ -59,6 +59,24 @@ def test_uncached_decode_numbers_are_current():
     assert f"{growth:.1f}x the time" in text and f"grows by only {extra:.1f} ms" in text
 
 
+
+@pytest.mark.parametrize("page", ["docs/02_kv_cache.md", "docs/zh/02_kv_cache.md"])
+def test_step2_speed_numbers_are_current(page):
+    """Step 2's decode table and paragraph: decode_cpu.json's step times and ratios, uncached_ops.json's parts."""
+    text = " ".join((ROOT / page).read_text().split())
+    d = _json("decode_cpu.json")
+    numbers = [f"{d['read_bandwidth_gbs']:.1f} GB/s", f"{d['bandwidth_floor_ms_per_token']:.1f} ms/token"]
+    for r in d["results"]:
+        numbers += [f"{r[e]['cached_ms_per_token']:.1f} ms/token" for e in ("minikv", "transformers")]
+        numbers += [f"{r['minikv_over_transformers_cached']:.2f}x", f"{r['minikv_over_transformers_uncached']:.2f}x",
+                    f"{r['minikv']['share_of_bandwidth_floor']:.0%}"]
+    for row in _json("uncached_ops.json")["rows"]:
+        m, t = row["minikv"], row["transformers"]
+        numbers += [f"{m[p] / t[p]:.2f}x" for p in ("projections", "attention")]
+        numbers += [f"{m['activation'] / t['activation']:.1f}x", f"{m['forward'] / t['forward_unhooked']:.2f}x"]
+    for number in numbers:
+        assert number in text, f"{page} should quote {number} (benchmarks/results/decode_cpu.json, uncached_ops.json)"
+
 def mla_numbers(contexts: tuple[int, ...]) -> list[str]:
     d = _json("mla_decode.json")
     rows = {r["ctx"]: r for r in d["results"]}
