@@ -156,6 +156,12 @@ def _read_available_memory() -> int | None:
         return None
 
 
+def memory_need(value: int, unit_bytes, fixed: int = 0) -> int:
+    """The bytes ``value`` units of ``unit_bytes`` each (rounded up) take, plus ``fixed``: what ``check_memory``
+    compares with the memory available."""
+    return fixed + int(value) * math.ceil(unit_bytes)
+
+
 def check_memory(name: str, value: int, unit_bytes, *, what: str, fixed: int = 0, have: int | None = None,
                  error: type[MinikvError] = ConfigError, hint: str = "") -> None:
     """Refuse, before allocating it, what ``value`` units of ``unit_bytes`` bytes each (plus ``fixed``) would take
@@ -167,7 +173,7 @@ def check_memory(name: str, value: int, unit_bytes, *, what: str, fixed: int = 0
     """
     have = available_memory_bytes() if have is None else have
     unit = math.ceil(unit_bytes)
-    need = fixed + int(value) * unit
+    need = memory_need(value, unit_bytes, fixed)
     if have is None or need <= have:
         return
     largest = max(have - fixed, 0) // unit if unit else 0

@@ -14,20 +14,19 @@ the one sampler, for this loop and for a scheduler's per-sequence rows alike.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from minikv import errors
 from minikv.errors import (
     ConfigError,
     InvalidInputError,
     check_choice,
     check_int,
     check_memory,
+    memory_need,
 )
 from minikv.kv_cache import ContiguousKVCache, KVCacheBase, NoCache
 from minikv.model import Model
@@ -222,17 +221,16 @@ def _memory_terms(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, m
 
 def _check_cache_memory(kind: str, spec: CacheKind, args: dict, dtype, max_len: int, max_seqs: int,
                         block_size, eviction: dict | None, names: dict, beside: int = 0) -> None:
-    """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, less ``beside``
-    bytes that another structure alive at the same time takes, before it is built (``_memory_terms``)."""
+    """Refuse (ConfigError) a cache whose storage would not fit in the memory available now, together with
+    ``beside`` bytes that another structure alive at the same time takes, before it is built
+    (``_memory_terms``). Those bytes are fixed ones, as a paged pool counts its device blocks beside its host tier."""
     terms = _memory_terms(kind, spec, args, dtype, max_len, max_seqs, block_size, eviction, names)
     if terms is None:
         return
-    have = None
     if beside:
-        have = errors.available_memory_bytes()
-        have = None if have is None else max(have - beside, 0)
-        terms["what"] += f", beside the {beside:,} bytes of the cache it runs with"
-    check_memory(**terms, have=have)
+        terms["fixed"] += beside
+        terms["what"] += f", together with the {beside:,} bytes of the cache it runs beside"
+    check_memory(**terms)
 
 
 def cache_memory_bytes(kind: str, model: Model, max_len: int, max_seqs: int = 1, block_size: int = 16,
@@ -244,7 +242,7 @@ def cache_memory_bytes(kind: str, model: Model, max_len: int, max_seqs: int = 1,
         raise ConfigError(f"cache_memory_bytes sizes a lossless cache, and {kind!r} evicts: its window or budget "
                           "sizes it; use 'contiguous' or 'paged'")
     terms = _memory_terms(kind, spec, args, dtype, max_len, max_seqs, block_size, None, names)
-    return 0 if terms is None else terms["fixed"] + terms["value"] * math.ceil(terms["unit_bytes"])
+    return 0 if terms is None else memory_need(terms["value"], terms["unit_bytes"], terms["fixed"])
 
 
 def _prepared(kind: str, model: Model, max_len, max_seqs, block_size, dtype, kv_dtype, group, residual,

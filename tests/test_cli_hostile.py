@@ -365,7 +365,7 @@ def test_perplexity_counts_the_exact_cache_it_runs_beside(lossy, exact, need, av
     monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: available)
     argv = ["perplexity", "--ids-file", input_files["good"], "--model", tiny_gguf, *lossy]
     line = assert_refused(argv, "needs")
-    assert f"beside the {need:,} bytes of the cache it runs with" in line, line
+    assert f"together with the {need:,} bytes of the cache it runs beside" in line, line
     monkeypatch.setattr("minikv.errors.available_memory_bytes", lambda: 2 * available)
     rc, out, err = run_cli(argv)  # room for both: it runs
     assert rc == 0, err

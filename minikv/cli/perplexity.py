@@ -108,7 +108,7 @@ def _lossy_factory(args, model):
     model's shape refuses are refused here, before any run (ConfigError)."""
     from minikv.generate import make_cache
 
-    if args.kv_dtype in (None, "fp32") and args.eviction is None:
+    if not _lossy(args):
         return None
 
     def factory(m, n):
@@ -119,10 +119,15 @@ def _lossy_factory(args, model):
     return factory
 
 
+def _lossy(args) -> bool:
+    """The run's cache loses information: a quantized --kv-dtype or an evicting --cache."""
+    return args.kv_dtype not in (None, "fp32") or args.eviction is not None
+
+
 def _exact_cache(args) -> str | None:
     """The lossless cache kind a --kv-dtype or evicting run is compared with (None: no comparison, which
     includes a --tp/--cp run): the plain --cache, or contiguous beside an evicting one."""
-    if (args.kv_dtype in (None, "fp32") and args.eviction is None) or args.tp is not None or args.cp is not None:
+    if not _lossy(args) or args.tp is not None or args.cp is not None:
         return None
     return "contiguous" if args.eviction is not None else args.cache
 
@@ -163,7 +168,7 @@ def _run_perplexity(args) -> int:
     args.eviction = eviction_options(args)
     if args.nll_file is not None:
         _check_out_path(args.nll_file)
-        if args.kv_dtype in (None, "fp32") and args.eviction is None:
+        if not _lossy(args):
             raise InvalidInputError("--nll-file compares a lossy cache with the exact run: add --kv-dtype or "
                                     "--cache window|h2o|snapkv")
     ids = None
